@@ -1,0 +1,30 @@
+"""torchdata_overlord: disaggregated, cost-balanced multi-source data loading for PyTorch (OVERLORD).
+
+The public API, in the order a training script meets it:
+
+* the mesh: :class:`ClientPlaceTree`;
+* the declarative data plane a strategy is written in: :class:`DGraph` with the primitives
+  ``mix``, ``distribute``, ``cost``, ``balance``, ``broadcast_at`` and ``plan``, the schedules
+  (:class:`Constant`, :class:`Piecewise`, :class:`Linear`, :class:`Cosine`, :class:`FromCallable`,
+  :class:`Dynamic`), the cost models (:func:`token_count`, :data:`attention_flops`,
+  :data:`encoder_cost`) and :func:`register_balancer` for user balancing methods;
+* the roles: :class:`Planner` (runs a strategy on buffer metadata, one :class:`Plan` per step);
+* the metadata a Source Loader reports: :class:`BufferMeta`.
+"""
+
+from .errors import BufferShortageError, ConfigError, OverlordError, OversizeSampleError
+from .plane import (AttentionFlops, BufferMeta, ClientPlaceTree, Constant, Cosine, DGraph, Dynamic, EncoderCost,
+                    FromCallable, Linear, Piecewise, Plan, PlanItem, SampleKey, Schedule, attention_flops,
+                    encoder_cost, token_count)
+from .plane.balancing import BinProblem, register_balancer
+from .roles import Planner
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClientPlaceTree", "DGraph", "Plan", "PlanItem", "SampleKey", "BufferMeta", "Planner",
+    "Schedule", "Constant", "Piecewise", "Linear", "Cosine", "FromCallable", "Dynamic",
+    "token_count", "AttentionFlops", "attention_flops", "EncoderCost", "encoder_cost",
+    "register_balancer", "BinProblem",
+    "OverlordError", "ConfigError", "OversizeSampleError", "BufferShortageError",
+]

@@ -1,0 +1,200 @@
+"""From item costs to (bucket, microbatch) places: the levels at which balancing applies.
+
+``level="both"`` (default) balances buckets and microbatches together: every (bucket,
+microbatch) bin is one bin of the method, so each microbatch index is balanced across buckets
+(what lockstep data-parallel training waits on) and every bucket's total is balanced too.
+``level="bucket"`` balances buckets only and fills microbatches in arrival order;
+``level="microbatch"`` keeps the arrival-order split into buckets (each rank's minibatch
+unchanged) and balances microbatches inside each bucket. ``equal_counts`` gives every bucket the
+same number of items (+-1) first. Method ``"arrival"`` is the unbalanced baseline.
+
+Items wider than one rank's budget in ``distribute("CP")`` span ``k`` consecutive CP ranks of
+one DP group in the same microbatch (hybrid data parallelism); they are placed first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import ConfigError
+from .problem import BinProblem, run_balancer
+
+__all__ = ["Placement", "place", "LEVELS"]
+
+LEVELS = ("both", "bucket", "microbatch")
+ARRIVAL = "arrival"
+
+
+@dataclass
+class Placement:
+    """One entry per (item, shard): items spanning k ranks have k entries, shards 0..k-1."""
+
+    item: np.ndarray
+    bucket: np.ndarray
+    mb: np.ndarray
+    shard: np.ndarray
+    nshards: np.ndarray
+    n_microbatches: int
+
+
+def _arrival_buckets(n: int, n_buckets: int) -> np.ndarray:
+    return (np.arange(n) * n_buckets) // max(n, 1)
+
+
+def _fill_microbatches(bucket: np.ndarray, tokens: np.ndarray, n_buckets: int, m: int, cap) -> np.ndarray:
+    """Microbatch of each item when each bucket's items are cut in arrival order."""
+    mb = np.zeros(len(bucket), np.int64)
+    for b in range(n_buckets):
+        idx = np.flatnonzero(bucket == b)
+        if not len(idx):
+            continue
+        if cap is None:
+            mb[idx] = (np.arange(len(idx)) * m) // len(idx)
+            continue
+        # arrival order, at most ceil(len/m) items per microbatch, a new one opened when full
+        per = math.ceil(len(idx) / m)
+        cur, used, cnt = 0, 0, 0
+        for i, t in zip(idx.tolist(), tokens[idx].tolist()):
+            if used + t > cap or cnt >= per:
+                cur, used, cnt = cur + 1, 0, 0
+            mb[i], used, cnt = cur, used + t, cnt + 1
+    return mb
+
+
+def _per_bucket(method, costs, tokens, bucket, n_buckets, m, cap) -> np.ndarray:
+    """Balance microbatches inside each bucket separately (may open microbatches per bucket)."""
+    mb = np.zeros(len(costs), np.int64)
+    for b in range(n_buckets):
+        idx = np.flatnonzero(bucket == b)
+        if len(idx):
+            res = run_balancer(method, BinProblem(costs[idx], tokens[idx], m, cap=cap, grow=1))
+            mb[idx] = res.bins
+    return mb
+
+
+def _place_spans(costs, tokens, span, n_buckets, cp, m, cap):
+    """Place items spanning several CP ranks; returns entries and the (m, B) cost/token loads."""
+    loads = np.zeros((m, n_buckets))
+    tl = np.zeros((m, n_buckets), np.int64)
+    entries = []
+    dp = n_buckets // cp
+    for i in np.flatnonzero(span > 1)[np.argsort(-costs[span > 1], kind="stable")]:
+        k = int(span[i])
+        c, t = costs[i] / k, math.ceil(tokens[i] / k)
+        while True:
+            best = None
+            grid = loads.reshape(loads.shape[0], dp, cp)
+            tgrid = tl.reshape(tl.shape[0], dp, cp)
+            for start in range(cp - k + 1):
+                peak = grid[:, :, start:start + k].max(2) + c
+                fits = (tgrid[:, :, start:start + k] + t <= cap).all(2)
+                peak = np.where(fits, peak, np.inf)
+                j = np.unravel_index(np.argmin(peak), peak.shape)
+                if np.isfinite(peak[j]) and (best is None or peak[j] < best[0]):
+                    best = (peak[j], int(j[0]), int(j[1]), start)
+            if best is not None:
+                break
+            loads = np.vstack([loads, np.zeros((1, n_buckets))])    # open another microbatch
+            tl = np.vstack([tl, np.zeros((1, n_buckets), np.int64)])
+        _, mm, g, start = best
+        for s in range(k):
+            b = g * cp + start + s
+            loads[mm, b] += c
+            tl[mm, b] += t
+            entries.append((i, b, mm, s, k))
+    return entries, loads, tl
+
+
+def place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatches: int, method: str,
+          cap: int | None, level: str = "both", equal_counts: bool = False,
+          groups: list[list[int]] | None = None, span: np.ndarray | None = None, cp: int = 1) -> Placement:
+    """Assign every item to a bucket and a microbatch (see the module docstring)."""
+    if level not in LEVELS:
+        raise ConfigError(f"unknown balance level {level!r}; choose one of {LEVELS}")
+    n = len(costs)
+    costs = np.asarray(costs, np.float64)
+    tokens = np.asarray(tokens, np.int64)
+    if groups is not None and len(groups) > 1:
+        return _place_groups(costs, tokens, n_buckets=n_buckets, microbatches=microbatches, method=method,
+                             cap=cap, level=level, equal_counts=equal_counts, groups=groups, span=span, cp=cp)
+    span = np.ones(n, np.int64) if span is None else span
+    spanned = span > 1
+    if spanned.any() and (level != "both" or method == ARRIVAL or equal_counts):
+        raise ConfigError("samples spanning several CP ranks need balance(level='both', equal_counts=False) "
+                          "with a balancing method; raise max_tokens or use distribute('DP') otherwise")
+    m = microbatches
+    entries = []
+    if method == ARRIVAL:
+        bucket = _arrival_buckets(n, n_buckets)
+        mb = _fill_microbatches(bucket, tokens, n_buckets, m, cap)
+    elif level == "bucket" or (level == "both" and equal_counts):
+        count_cap = math.ceil(n / n_buckets) if equal_counts else None
+        bucket = run_balancer(method, BinProblem(costs, tokens, n_buckets, count_cap=count_cap)).bins
+        if level == "bucket":
+            mb = _fill_microbatches(bucket, tokens, n_buckets, m, cap)
+        else:
+            mb = _per_bucket(method, costs, tokens, bucket, n_buckets, m, cap)
+    elif level == "microbatch":
+        bucket = _arrival_buckets(n, n_buckets)
+        mb = _per_bucket(method, costs, tokens, bucket, n_buckets, m, cap)
+    else:
+        loads = tl = None
+        if spanned.any():
+            entries, loads, tl = _place_spans(costs, tokens, span, n_buckets, cp, m, cap)
+            m = loads.shape[0]
+            loads, tl = loads.ravel(), tl.ravel()
+        short = np.flatnonzero(~spanned)
+        res = run_balancer(method, BinProblem(costs[short], tokens[short], n_buckets * m, cap=cap,
+                                              loads=loads, token_loads=tl, grow=n_buckets))
+        bucket = np.full(n, -1, np.int64)
+        mb = np.full(n, -1, np.int64)
+        bucket[short], mb[short] = res.bins % n_buckets, res.bins // n_buckets
+    single = np.flatnonzero(span <= 1)
+    item = np.concatenate([single, np.array([e[0] for e in entries], np.int64)])
+    cols = [np.array([e[j] for e in entries], np.int64) for j in range(1, 5)]
+    bucket_all = np.concatenate([bucket[single], cols[0]])
+    mb_all = np.concatenate([mb[single], cols[1]])
+    shard = np.concatenate([np.zeros(len(single), np.int64), cols[2]])
+    nshards = np.concatenate([np.ones(len(single), np.int64), cols[3]])
+    n_mb = max(microbatches, int(mb_all.max()) + 1 if len(mb_all) else 0)
+    if method != ARRIVAL and not entries:
+        mb_all = _align_microbatches(costs[item], bucket_all, mb_all, n_buckets, n_mb)
+    return Placement(item, bucket_all, mb_all, shard, nshards, n_mb)
+
+
+def _align_microbatches(cost, bucket, mb, n_buckets: int, n_mb: int) -> np.ndarray:
+    """Renumber each bucket's microbatches heaviest first.
+
+    Lockstep training waits, at each microbatch index, for the slowest rank; sorting every
+    bucket's microbatches the same way lines up heavy with heavy and light with light, which
+    minimises the sum over indices of the max over buckets for the given bins.
+    """
+    loads = np.bincount(mb * n_buckets + bucket, weights=cost, minlength=n_mb * n_buckets).reshape(n_mb, n_buckets)
+    order = np.argsort(-loads, axis=0, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(n_mb)[:, None].repeat(n_buckets, 1), 0)
+    return rank[mb, bucket]
+
+
+def _place_groups(costs, tokens, *, groups, n_buckets, span, **kw) -> Placement:
+    """Two levels for very large jobs: items to bucket groups first, then balanced inside each group."""
+    if span is not None and (span > 1).any():
+        raise ConfigError("group_size cannot be combined with samples spanning CP ranks")
+    method = kw["method"]
+    if method == ARRIVAL:
+        g_of = _arrival_buckets(len(costs), len(groups))
+    else:
+        count_cap = math.ceil(len(costs) / len(groups)) if kw["equal_counts"] else None
+        g_of = run_balancer(method, BinProblem(costs, tokens, len(groups), count_cap=count_cap)).bins
+    parts = []
+    for g, members in enumerate(groups):
+        idx = np.flatnonzero(g_of == g)
+        sub = place(costs[idx], tokens[idx], n_buckets=len(members), groups=None, span=None, **kw)
+        parts.append((idx[sub.item], np.asarray(members)[sub.bucket], sub))
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
+    return Placement(cat([p[0] for p in parts]), cat([p[1] for p in parts]), cat([p[2].mb for p in parts]),
+                     cat([p[2].shard for p in parts]), cat([p[2].nshards for p in parts]),
+                     max(p[2].n_microbatches for p in parts))

@@ -1,0 +1,99 @@
+"""The bin-assignment problem every balancing method solves, and the registry of methods.
+
+A method receives a :class:`BinProblem` (item costs and token counts, a number of bins, an
+optional per-bin token cap and item-count cap, initial loads) and returns the bin of every item.
+When an item fits no bin and ``grow > 0``, a method opens ``grow`` new bins (one more
+microbatch for every bucket) instead of overflowing; the cap is never checked after the fact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ...errors import ConfigError
+
+__all__ = ["BinProblem", "BinAssignment", "register_balancer", "get_balancer", "balancer_names"]
+
+
+@dataclass
+class BinProblem:
+    costs: np.ndarray                       # (n,) float64, >= 0
+    tokens: np.ndarray                      # (n,) int64, each <= cap when a cap is set
+    n_bins: int
+    cap: int | None = None                  # max tokens per bin
+    count_cap: int | None = None            # max items per bin
+    loads: np.ndarray | None = None         # (n_bins,) initial cost per bin
+    token_loads: np.ndarray | None = None   # (n_bins,) initial tokens per bin
+    grow: int = 0                           # bins to open at once when an item fits nowhere
+
+    def initial(self) -> tuple[np.ndarray, np.ndarray]:
+        loads = np.zeros(self.n_bins) if self.loads is None else np.asarray(self.loads, np.float64)
+        tl = np.zeros(self.n_bins, np.int64) if self.token_loads is None else np.asarray(self.token_loads, np.int64)
+        return loads.copy(), tl.copy()
+
+
+@dataclass
+class BinAssignment:
+    bins: np.ndarray   # (n,) int64 bin of every item
+    n_bins: int        # bins in use after any growth (>= the problem's n_bins)
+
+
+Balancer = Callable[[BinProblem], "BinAssignment | np.ndarray"]
+_REGISTRY: dict[str, Balancer] = {}
+
+
+def register_balancer(name: str, fn: Balancer | None = None, *, replace: bool = False):
+    """Register a balancing method under ``name`` (usable as ``balance(name, ...)``); also a decorator.
+
+    ``fn(problem) -> bins`` may return a :class:`BinAssignment` or just the array of bins. The
+    planner checks the result (every item placed once, bins in range, token cap respected) and
+    raises naming the method if it is not.
+    """
+    def deco(f: Balancer) -> Balancer:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"balancer name must be a non-empty string, got {name!r}")
+        if name in _REGISTRY and not replace:
+            raise ConfigError(f"a balancer named {name!r} is already registered; pass replace=True to override")
+        _REGISTRY[name] = f
+        return f
+    return deco(fn) if fn is not None else deco
+
+
+def balancer_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_balancer(name: str) -> Balancer:
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown balancing method {name!r}; registered: {balancer_names()} "
+                          f"(add your own with torchdata_overlord.register_balancer)")
+    return _REGISTRY[name]
+
+
+def run_balancer(name: str, problem: BinProblem) -> BinAssignment:
+    """Run a registered method and check that its answer is a valid assignment."""
+    out = get_balancer(name)(problem)
+    if not isinstance(out, BinAssignment):
+        out = BinAssignment(np.asarray(out, dtype=np.int64), problem.n_bins)
+    bins = np.asarray(out.bins, dtype=np.int64)
+    n = len(problem.costs)
+    if bins.shape != (n,):
+        raise ConfigError(f"balancer {name!r} returned {bins.shape} bins for {n} items")
+    if n and (bins.min() < 0 or bins.max() >= out.n_bins):
+        raise ConfigError(f"balancer {name!r} returned a bin outside 0..{out.n_bins - 1}")
+    if problem.grow == 0 and out.n_bins != problem.n_bins:
+        raise ConfigError(f"balancer {name!r} opened bins although growth was not allowed")
+    if out.n_bins != problem.n_bins and (out.n_bins - problem.n_bins) % max(problem.grow, 1):
+        raise ConfigError(f"balancer {name!r} grew to {out.n_bins} bins; growth must come in steps of {problem.grow}")
+    _, tl = problem.initial()
+    tl = np.concatenate([tl, np.zeros(out.n_bins - problem.n_bins, np.int64)])
+    tok = tl + np.bincount(bins, weights=problem.tokens, minlength=out.n_bins).astype(np.int64)
+    if problem.cap is not None and n and tok.max() > problem.cap:
+        b = int(tok.argmax())
+        raise ConfigError(f"balancer {name!r} put {int(tok[b])} tokens in bin {b}, over max_tokens={problem.cap}")
+    if problem.count_cap is not None and n and np.bincount(bins).max() > problem.count_cap:
+        raise ConfigError(f"balancer {name!r} put more than {problem.count_cap} items in one bin (equal_counts)")
+    return BinAssignment(bins, out.n_bins)
