@@ -134,11 +134,12 @@ class ClientPlaceTree:
         ``ceil(n / group_size)`` coarser buckets (the paper's subgroups for very large jobs).
         """
         keys = self.bucket_axes(axis)
-        by_key: dict[tuple[int, ...], list[int]] = {}
-        for r in range(self.world_size):
-            c = self.coords(r)
-            by_key.setdefault(tuple(c[a] for a in keys), []).append(r)
-        out = [tuple(by_key[k]) for k in sorted(by_key)]
+        grid = np.indices(self._shape).reshape(len(self._shape), -1)      # coordinates of every rank
+        cols = [grid[self.order.index(a)] for a in keys]
+        key = np.ravel_multi_index(cols, [self.sizes[a] for a in keys]) if keys else np.zeros(self.world_size, np.int64)
+        ranks = np.argsort(key, kind="stable")
+        cuts = np.flatnonzero(np.diff(key[ranks])) + 1
+        out = [tuple(part.tolist()) for part in np.split(ranks, cuts)]
         if group_size is None:
             return out
         if not isinstance(group_size, int) or group_size < 1:

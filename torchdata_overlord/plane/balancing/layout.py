@@ -149,9 +149,10 @@ def place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatches
         short = np.flatnonzero(~spanned)
         res = run_balancer(method, BinProblem(costs[short], tokens[short], n_buckets * m, cap=cap,
                                               loads=loads, token_loads=tl, grow=n_buckets))
+        bins = res.bins if spanned.any() else _interleave(costs[short], res.bins, n_buckets, res.n_bins)
         bucket = np.full(n, -1, np.int64)
         mb = np.full(n, -1, np.int64)
-        bucket[short], mb[short] = res.bins % n_buckets, res.bins // n_buckets
+        bucket[short], mb[short] = bins % n_buckets, bins // n_buckets
     single = np.flatnonzero(span <= 1)
     item = np.concatenate([single, np.array([e[0] for e in entries], np.int64)])
     cols = [np.array([e[j] for e in entries], np.int64) for j in range(1, 5)]
@@ -163,6 +164,24 @@ def place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatches
     if method != ARRIVAL and not entries:
         mb_all = _align_microbatches(costs[item], bucket_all, mb_all, n_buckets, n_mb)
     return Placement(item, bucket_all, mb_all, shard, nshards, n_mb)
+
+
+def _interleave(cost, bins, n_buckets: int, n_bins: int) -> np.ndarray:
+    """Relabel interchangeable bins as (microbatch, bucket) pairs; returns the new bin of every item.
+
+    Bins are sorted by load and cut into microbatch rows of ``n_buckets`` similar loads (which
+    minimises the lockstep sum of row maxima for these bins); inside each row, the heaviest bin
+    goes to the bucket with the lightest total so far (LPT across rows), balancing the ranks.
+    """
+    loads = np.bincount(bins, weights=cost, minlength=n_bins)
+    by_load = np.argsort(-loads, kind="stable").reshape(-1, n_buckets)
+    totals = np.zeros(n_buckets)
+    new_of_old = np.empty(n_bins, np.int64)
+    for m, row in enumerate(by_load):
+        lightest = np.argsort(totals, kind="stable")
+        new_of_old[row] = m * n_buckets + lightest
+        totals[lightest] += loads[row]
+    return new_of_old[bins]
 
 
 def _align_microbatches(cost, bucket, mb, n_buckets: int, n_mb: int) -> np.ndarray:

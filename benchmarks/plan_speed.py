@@ -1,0 +1,98 @@
+"""Planner speed: one ``Planner.plan()`` (mix, distribute, cost, balance, plan) per configuration.
+
+Target (issue 2): 131,072 samples over 4,096 DP buckets x 8 microbatches in <= 0.5 s with
+either built-in method on one core, growing no worse than n log n in the number of samples.
+Prints a table and writes ``benchmarks/results/plan_speed.json``.
+
+    python benchmarks/plan_speed.py            # full curve 1k..1M
+    python benchmarks/plan_speed.py --quick    # CI smoke: small sizes only
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")          # one core, as the target says
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from datetime import datetime, timezone  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torchdata_overlord as ol  # noqa: E402
+from torchdata_overlord.sim import SimulatedLoaders, SyntheticSource  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SOURCES = [SyntheticSource("web", "web"), SyntheticSource("code", "code"),
+           SyntheticSource("long", "long"), SyntheticSource("caps", "captions")]
+WEIGHTS = {"web": 0.4, "code": 0.3, "long": 0.1, "caps": 0.2}
+TARGET = {"samples": 131072, "buckets": 4096, "microbatches": 8, "seconds": 0.5}
+
+
+def time_plan(method: str, samples: int, buckets: int, microbatches: int, repeats: int) -> dict:
+    mesh = ol.ClientPlaceTree(dp=buckets)
+
+    def strategy(g):
+        return (g.mix(WEIGHTS).distribute("DP").cost(ol.attention_flops)
+                .balance(method, microbatches=microbatches).plan())
+
+    planner = ol.Planner(strategy, mesh, global_batch=samples, seed=0)
+    loaders = SimulatedLoaders(SOURCES, buffer_size=samples)
+    times, plan = [], None
+    for _ in range(repeats):
+        bufs = loaders.buffers()
+        t0 = time.perf_counter()
+        plan = planner.plan(bufs)
+        times.append(time.perf_counter() - t0)
+        loaders.consume(plan)
+    return {"method": method, "samples": samples, "buckets": buckets, "microbatches": microbatches,
+            "seconds_median": statistics.median(times), "seconds_min": min(times), "repeats": repeats,
+            "max_over_mean": plan.stats["max_over_mean"], "lockstep_over_bound": plan.stats["lockstep_over_bound"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes only (CI smoke test)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "plan_speed.json")
+    args = ap.parse_args(argv)
+    sizes = [1024, 4096, 16384] if args.quick else [1024, 4096, 16384, 65536, 131072, 262144, 1048576]
+    buckets = 64 if args.quick else TARGET["buckets"]
+    rows = []
+    print(f"{'method':>15} {'samples':>8} {'buckets':>7} {'mb':>3} {'median s':>9} {'s / (n log2 n) x1e9':>20} "
+          f"{'max/mean':>8} {'lock/bound':>10}")
+    for method in ("greedy", "karmarkar_karp"):
+        for n in sizes:
+            r = time_plan(method, n, buckets, TARGET["microbatches"], repeats=3 if n >= 262144 else 5)
+            r["per_nlogn_ns"] = 1e9 * r["seconds_median"] / (n * math.log2(n))
+            rows.append(r)
+            print(f"{method:>15} {n:>8} {buckets:>7} {r['microbatches']:>3} {r['seconds_median']:>9.4f} "
+                  f"{r['per_nlogn_ns']:>20.2f} {r['max_over_mean']:>8.3f} {r['lockstep_over_bound']:>10.3f}")
+    verdict = {}
+    if not args.quick:
+        for method in ("greedy", "karmarkar_karp"):
+            at = next(r for r in rows if r["method"] == method and r["samples"] == TARGET["samples"])
+            curve = [r for r in rows if r["method"] == method and r["samples"] >= 16384]
+            growth = curve[-1]["per_nlogn_ns"] / curve[0]["per_nlogn_ns"]
+            verdict[method] = {"seconds_at_target": at["seconds_median"], "meets_time": at["seconds_median"] <= TARGET["seconds"],
+                               "per_nlogn_growth_16k_to_1M": growth}
+            print(f"{method}: {at['seconds_median']:.3f} s at the target size "
+                  f"({'meets' if at['seconds_median'] <= TARGET['seconds'] else 'MISSES'} <= {TARGET['seconds']} s); "
+                  f"time/(n log n) changes x{growth:.2f} from 16k to 1M samples")
+    out = {"benchmark": "plan_speed", "quick": args.quick, "target": TARGET, "rows": rows, "verdict": verdict,
+           "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "processor": platform.machine(),
+                       "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
+           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
