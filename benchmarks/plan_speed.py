@@ -33,6 +33,7 @@ SOURCES = [SyntheticSource("web", "web"), SyntheticSource("code", "code"),
            SyntheticSource("long", "long"), SyntheticSource("caps", "captions")]
 WEIGHTS = {"web": 0.4, "code": 0.3, "long": 0.1, "caps": 0.2}
 TARGET = {"samples": 131072, "buckets": 4096, "microbatches": 8, "seconds": 0.5}
+MAX_TOKENS = 16384   # per packed microbatch of a rank; longer documents are split into pieces
 
 
 def time_plan(method: str, samples: int, buckets: int, microbatches: int, repeats: int) -> dict:
@@ -40,7 +41,7 @@ def time_plan(method: str, samples: int, buckets: int, microbatches: int, repeat
 
     def strategy(g):
         return (g.mix(WEIGHTS).distribute("DP").cost(ol.attention_flops)
-                .balance(method, microbatches=microbatches).plan())
+                .balance(method, microbatches=microbatches, max_tokens=MAX_TOKENS, oversize="split").plan())
 
     planner = ol.Planner(strategy, mesh, global_batch=samples, seed=0)
     loaders = SimulatedLoaders(SOURCES, buffer_size=samples)

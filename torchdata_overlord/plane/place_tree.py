@@ -116,15 +116,16 @@ class ClientPlaceTree:
 
         ``DP``: one bucket per data-parallel index (its pp/cp/tp ranks share the samples);
         ``CP``: one per (dp, cp) pair, so DP x CP ranks are uniform consumers; ``WORLD``: one per
-        rank; another axis of the mesh: one per index along it.
+        rank; another axis of the mesh: one per index along it. Data axes are keyed dp before cp
+        whatever the mesh order, so bucket ``dp * cp_size + cp`` holds CP rank ``cp`` of DP group
+        ``dp`` (a sequence spanning CP ranks sits in consecutive buckets).
         """
         axis = _axis_name(axis)
         if axis == WORLD:
             return self.order
         self._known(axis)
         if axis in _DATA_AXES:
-            keep = _DATA_AXES[: _DATA_AXES.index(axis) + 1]
-            return tuple(a for a in self.order if a in keep)
+            return tuple(a for a in _DATA_AXES[: _DATA_AXES.index(axis) + 1] if a in self.sizes)
         return (axis,)
 
     def buckets(self, axis: str, group_size: int | None = None) -> list[tuple[int, ...]]:

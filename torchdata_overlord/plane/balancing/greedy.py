@@ -1,4 +1,9 @@
-"""Greedy balancing (LPT): largest cost first, into the least-loaded bin that still fits it."""
+"""Greedy balancing (LPT): largest cost first, into the least-loaded bin that still fits it.
+
+With an item-count cap ``c``, at most ``n - (c - 1) * n_bins`` bins may reach ``c`` items and the
+others stop at ``c - 1``, so that the tight cap ``ceil(n / n_bins)`` of ``equal_counts`` gives
+every bin ``floor`` or ``ceil`` of ``n / n_bins`` items (LPT alone can leave a bin short).
+"""
 
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ def greedy(p: BinProblem) -> BinAssignment:
     else:
         cap = float("inf") if p.cap is None else p.cap
         count_cap = n + 1 if p.count_cap is None else p.count_cap
+        full, full_max = 0, n - (count_cap - 1) * n_bins     # bins that may still reach count_cap
         toks = p.tokens[order]
         # smallest token count still to come: a bin that cannot take even that one is retired
         rest_min = np.append(np.minimum.accumulate(toks[::-1])[::-1], 0).tolist()
@@ -47,14 +53,17 @@ def greedy(p: BinProblem) -> BinAssignment:
                     counts += [0] * p.grow
                     n_bins += p.grow
                 load, b = heapq.heappop(heap)
+                if counts[b] >= (count_cap if full < full_max else count_cap - 1):
+                    continue                          # closed: the other bins need the remaining items
                 if tl[b] + t <= cap:
                     break
                 if tl[b] + rest_min[i] <= cap:
                     aside.append((load, b))           # may still take a smaller item later
             tl[b] += t
             counts[b] += 1
+            full += counts[b] == count_cap
             out[i] = b
-            if counts[b] < count_cap and tl[b] + rest_min[i + 1] <= cap:
+            if counts[b] < (count_cap if full < full_max else count_cap - 1) and tl[b] + rest_min[i + 1] <= cap:
                 heapq.heappush(heap, (load + c, b))
             for entry in aside:
                 heapq.heappush(heap, entry)

@@ -1,18 +1,22 @@
-"""Multiway Karmarkar-Karp (largest differencing), vectorised as a tournament of merges.
+"""Multiway Karmarkar-Karp (largest differencing method, LDM).
 
-Items sorted by cost are cut into rows of ``k`` (one item per bin): each row is a partial
-partition. Partitions are merged two at a time, the largest subset of one with the smallest of
-the other, so differences cancel. Classic KK merges the two partitions with the largest spread
-one pair at a time; here every round pairs all partitions by spread at once, which keeps the
-differencing idea but costs ``log2(n / k)`` numpy rounds instead of ``n / k`` Python steps.
-Each bin ends with one item per row, so item counts per bin differ by at most one.
+Every item starts as a partial partition of ``k`` subsets (the item and ``k - 1`` empty ones).
+The two partitions with the largest spread (max - min subset cost) are merged, the largest
+subset of one with the smallest of the other, so their differences cancel; the result goes back
+into the heap, until one partition, the bins, remains. Merges are numpy operations on ``k``
+sums; which subset each item ends in is recovered at the end by walking the merge tree down.
+
+Starting from singletons costs ``n`` merges of ``k`` sums; above ``SINGLETON_LIMIT`` (n x k)
+and under a count cap (``equal_counts``) items start in rows of ``k`` instead, one per bin,
+which is the balanced-size variant: every bin then gets exactly one item per row.
 
 A token cap is honoured inside each merge: a pairing that would overflow a bin is repaired by
-swapping partners; when no swap fits, ``grow`` empty bins are opened.
+swapping partners; when no swap fits, ``grow`` empty bins are opened in every partition.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
@@ -20,10 +24,12 @@ import numpy as np
 from ...errors import ConfigError
 from .problem import BinAssignment, BinProblem, register_balancer
 
-__all__ = ["karmarkar_karp"]
+__all__ = ["karmarkar_karp", "SINGLETON_LIMIT"]
+
+SINGLETON_LIMIT = 1 << 20   # items x bins up to which KK starts from singletons
 
 
-def _repair(ca, ta, cb, tb, pi, cap) -> bool:
+def _repair(ca, ta, tb, pi, cap) -> bool:
     """Fix pairing ``pi`` (A slot j <-> B slot pi[j]) in place so that ``ta + tb[pi] <= cap``.
 
     Swaps each violating partner with the partner of the A slot of nearest cost that makes both
@@ -47,77 +53,68 @@ def karmarkar_karp(p: BinProblem) -> BinAssignment:
     n, k = len(p.costs), p.n_bins
     if p.count_cap is not None and p.count_cap < math.ceil(n / k):
         raise ConfigError(f"count cap {p.count_cap} cannot hold {n} items in {k} bins")
-    cap = p.cap
     order = np.argsort(-p.costs, kind="stable")
-    rows = max(math.ceil(n / k), 1)
-    pad = rows * k - n
+    per_row = k if (p.count_cap is not None or n * k > SINGLETON_LIMIT) else 1
+    rows = max(math.ceil(n / per_row), 1)
+    grid = np.full((rows, k), n, np.int64)                      # n marks an empty slot
+    grid[:, :per_row] = np.concatenate([order, np.full(rows * per_row - n, n)]).reshape(rows, per_row)
+    cost_of, tok_of = np.append(p.costs, 0.0), np.append(p.tokens, 0)
     loads, tload = p.initial()
-    # Row 0 is the anchor: the bins themselves with their initial loads, tagged by pseudo-items
-    # -1-b, so that the final slot of each original bin is known after the merges.
-    sums = np.vstack([loads[None, :], np.concatenate([p.costs[order], np.zeros(pad)]).reshape(rows, k)])
-    toks = np.vstack([tload[None, :], np.concatenate([p.tokens[order], np.zeros(pad, np.int64)]).reshape(rows, k)])
-    ids = np.concatenate([-1 - np.arange(k), order, np.full(pad, n)])   # n marks padding
-    part = np.repeat(np.arange(rows + 1), k)
-    slot = np.tile(np.arange(k), rows + 1)
+    # Partition 0 is the anchor: the bins themselves with their initial loads. Following the
+    # anchor's slots down the merge tree tells which final slot each original bin became.
+    sums = [loads] + list(cost_of[grid])
+    toks = [tload] + list(tok_of[grid])
+    width = [k] * (rows + 1)                 # slots each partition had when it was last touched
+    heap = [(-(s.max() - s.min()), i) for i, s in enumerate(sums)]
+    heapq.heapify(heap)
+    merges = []                              # (child_a, child_b, parent, slot maps of a and b)
     n_bins = k
-
-    while len(sums) > 1:
-        P = len(sums)
-        spread = sums.max(1) - sums.min(1)
-        rank = np.argsort(-spread, kind="stable")
-        m = P // 2
-        a, b, rest = rank[0:2 * m:2], rank[1:2 * m:2], rank[2 * m:]
-        ord_a = np.argsort(-sums[a], axis=1, kind="stable")
-        ord_b = np.argsort(sums[b], axis=1, kind="stable")
+    cap = p.cap
+    while len(heap) > 1:
+        _, a = heapq.heappop(heap)
+        _, b = heapq.heappop(heap)
+        for i in (a, b):                     # bring partitions untouched since a growth up to width
+            if width[i] < n_bins:
+                sums[i] = np.append(sums[i], np.zeros(n_bins - width[i]))
+                toks[i] = np.append(toks[i], np.zeros(n_bins - width[i], np.int64))
+                width[i] = n_bins
+        ord_a = np.argsort(-sums[a], kind="stable")
+        ord_b = np.argsort(sums[b], kind="stable")
         if cap is not None:
-            ta = np.take_along_axis(toks[a], ord_a, 1)
-            tb = np.take_along_axis(toks[b], ord_b, 1)
-            grown = False
-            for r in np.flatnonzero((ta + tb > cap).any(1)):
-                ca = np.take_along_axis(sums[a[r]], ord_a[r], 0)
-                pi = np.arange(n_bins)
-                if not _repair(ca, ta[r], np.take_along_axis(sums[b[r]], ord_b[r], 0), tb[r], pi, cap):
-                    grown = True
-                    break
-                ord_b[r] = ord_b[r][pi]
-            if grown:
+            ta, tb = toks[a][ord_a], toks[b][ord_b]
+            pi = np.arange(n_bins)
+            if (ta + tb > cap).any() and not _repair(sums[a][ord_a], ta, tb, pi, cap):
                 if p.grow <= 0:
                     raise ConfigError(f"karmarkar_karp cannot fit the items under max_tokens={cap} in {n_bins} bins")
-                g = p.grow
-                sums = np.hstack([sums, np.zeros((P, g))])
-                toks = np.hstack([toks, np.zeros((P, g), np.int64)])
-                anchor = part[0]                        # the anchor's pseudo-items come first in ids
-                ids = np.concatenate([ids, -1 - np.arange(n_bins, n_bins + g)])
-                part = np.concatenate([part, np.full(g, anchor)])
-                slot = np.concatenate([slot, np.arange(n_bins, n_bins + g)])
-                n_bins += g
+                n_bins += p.grow             # open empty bins; partitions catch up when next merged
+                for i in (a, b):
+                    heapq.heappush(heap, (-(sums[i].max() - sums[i].min()), i))
                 continue
-        new_sums = np.take_along_axis(sums[a], ord_a, 1) + np.take_along_axis(sums[b], ord_b, 1)
-        new_toks = np.take_along_axis(toks[a], ord_a, 1) + np.take_along_axis(toks[b], ord_b, 1)
-        inv_a = np.empty_like(ord_a)
-        inv_b = np.empty_like(ord_b)
-        cols = np.broadcast_to(np.arange(n_bins), ord_a.shape)
-        np.put_along_axis(inv_a, ord_a, cols, 1)
-        np.put_along_axis(inv_b, ord_b, cols, 1)
-        new_part = np.empty(P, np.int64)
-        side = np.full(P, 2, np.int8)
-        new_part[a], side[a] = np.arange(m), 0
-        new_part[b], side[b] = np.arange(m), 1
-        new_part[rest] = m
-        s, np_ = side[part], new_part[part]
-        in_a, in_b = s == 0, s == 1
-        slot = slot.copy()
-        slot[in_a] = inv_a[np_[in_a], slot[in_a]]
-        slot[in_b] = inv_b[np_[in_b], slot[in_b]]
-        part = np_
-        sums = np.vstack([new_sums, sums[rest]])
-        toks = np.vstack([new_toks, toks[rest]])
+            ord_b = ord_b[pi]
+        new = sums[a][ord_a] + sums[b][ord_b]
+        parent = len(sums)
+        sums.append(new)
+        toks.append(toks[a][ord_a] + toks[b][ord_b])
+        width.append(n_bins)
+        map_a, map_b = np.empty(n_bins, np.int64), np.empty(n_bins, np.int64)
+        map_a[ord_a], map_b[ord_b] = np.arange(n_bins), np.arange(n_bins)
+        merges.append((a, b, parent, map_a, map_b))
+        sums[a] = sums[b] = toks[a] = toks[b] = None      # free memory as we go
+        heapq.heappush(heap, (-(new.max() - new.min()), parent))
 
-    # final slot -> bin: original bins via their anchor pseudo-items, opened bins likewise
+    # Walk the merge tree down: final slot of every slot of every partition.
+    root = heap[0][1]
+    final = {root: np.arange(n_bins)}
+    for a, b, parent, map_a, map_b in reversed(merges):
+        up = final.pop(parent)
+        final[a], final[b] = up[map_a], up[map_b]
     bin_of_slot = np.empty(n_bins, np.int64)
-    pseudo = ids < 0
-    bin_of_slot[slot[pseudo]] = -1 - ids[pseudo]
-    real = (ids >= 0) & (ids < n)
+    anchor = final[0][:k]
+    bin_of_slot[anchor] = np.arange(k)                     # original bins keep their numbers
+    opened = np.setdiff1d(np.arange(n_bins), anchor)
+    bin_of_slot[opened] = np.arange(k, n_bins)             # opened bins are numbered after them
     bins = np.empty(n, np.int64)
-    bins[ids[real]] = bin_of_slot[slot[real]]
+    for r in range(rows):
+        members = grid[r] < n
+        bins[grid[r][members]] = bin_of_slot[final[r + 1][:k][members]]
     return BinAssignment(bins, n_bins)

@@ -1,15 +1,15 @@
 """From item costs to (bucket, microbatch) places: the levels at which balancing applies.
 
-``level="both"`` (default) balances buckets and microbatches together: every (bucket,
-microbatch) bin is one bin of the method, so each microbatch index is balanced across buckets
-(what lockstep data-parallel training waits on) and every bucket's total is balanced too.
-``level="bucket"`` balances buckets only and fills microbatches in arrival order;
-``level="microbatch"`` keeps the arrival-order split into buckets (each rank's minibatch
-unchanged) and balances microbatches inside each bucket. ``equal_counts`` gives every bucket the
-same number of items (+-1) first. Method ``"arrival"`` is the unbalanced baseline.
-
-Items wider than one rank's budget in ``distribute("CP")`` span ``k`` consecutive CP ranks of
-one DP group in the same microbatch (hybrid data parallelism); they are placed first.
+``level="both"`` (default, the paper's interleaving of the two levels) balances buckets first,
+so every rank gets the same total cost, then the microbatches inside each bucket, and finally
+renumbers every bucket's microbatches heaviest first so that heavy lines up with heavy across
+ranks. ``level="lockstep"`` pools all (bucket, microbatch) bins and balances them as one, then
+cuts bins of similar load into microbatch rows: the best choice when every microbatch index
+ends in a synchronisation (FSDP/ZeRO-3) and samples are small against a bin; samples spanning
+several CP ranks are placed this way. ``level="bucket"`` balances buckets only and fills
+microbatches in arrival order; ``level="microbatch"`` keeps the arrival-order split into buckets
+(each rank's minibatch unchanged) and balances microbatches inside each. ``equal_counts`` gives
+every bucket the same number of items (+-1). Method ``"arrival"`` is the unbalanced baseline.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .problem import BinProblem, run_balancer
 
 __all__ = ["Placement", "place", "LEVELS"]
 
-LEVELS = ("both", "bucket", "microbatch")
+LEVELS = ("both", "bucket", "microbatch", "lockstep")
 ARRIVAL = "arrival"
 
 
@@ -75,6 +75,48 @@ def _per_bucket(method, costs, tokens, bucket, n_buckets, m, cap) -> np.ndarray:
     return mb
 
 
+def _lpt_rounds(costs, tokens, bucket, n_buckets: int, m: int, cap) -> np.ndarray:
+    """Greedy (LPT) inside every bucket at once: round r places each bucket's r-th largest item
+    in that bucket's least-loaded microbatch that fits, opening a microbatch when none does."""
+    n = len(costs)
+    order = np.lexsort((-costs, bucket))
+    counts = np.bincount(bucket, minlength=n_buckets)
+    starts = np.cumsum(counts) - counts
+    rank = np.empty(n, np.int64)
+    rank[order] = np.arange(n) - starts[bucket[order]]
+    loads = np.zeros((n_buckets, m))
+    tl = np.zeros((n_buckets, m), np.int64)
+    limit = np.inf if cap is None else cap
+    mb = np.empty(n, np.int64)
+    by_rank = order[np.argsort(rank[order], kind="stable")]
+    cuts = np.searchsorted(rank[by_rank], np.arange(1, counts.max(initial=0) + 1))
+    for sel in np.split(by_rank, cuts):
+        if not len(sel):
+            continue
+        b, t = bucket[sel], tokens[sel]                 # each bucket appears once per round
+        while True:
+            cand = np.where(tl[b] + t[:, None] <= limit, loads[b], np.inf)
+            j = np.argmin(cand, 1)
+            if np.isfinite(cand[np.arange(len(sel)), j]).all():
+                break
+            loads = np.hstack([loads, np.zeros((n_buckets, 1))])    # some item fits nowhere: open one
+            tl = np.hstack([tl, np.zeros((n_buckets, 1), np.int64)])
+        loads[b, j] += costs[sel]
+        tl[b, j] += t
+        mb[sel] = j
+    return mb
+
+
+def _within_buckets(method, costs, tokens, bucket, n_buckets: int, m: int, cap) -> np.ndarray:
+    """Balance microbatches inside each bucket: with the method, bucket by bucket, when buckets are
+    few and full; with vectorised LPT across all buckets when they are many and small (where one
+    method call per bucket would cost more than the balancing itself)."""
+    per_bucket = len(costs) / max(n_buckets, 1)
+    if per_bucket > n_buckets:
+        return _per_bucket(method, costs, tokens, bucket, n_buckets, m, cap)
+    return _lpt_rounds(costs, tokens, bucket, n_buckets, m, cap)
+
+
 def _place_spans(costs, tokens, span, n_buckets, cp, m, cap):
     """Place items spanning several CP ranks; returns entries and the (m, B) cost/token loads."""
     loads = np.zeros((m, n_buckets))
@@ -122,24 +164,24 @@ def place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatches
                              cap=cap, level=level, equal_counts=equal_counts, groups=groups, span=span, cp=cp)
     span = np.ones(n, np.int64) if span is None else span
     spanned = span > 1
-    if spanned.any() and (level != "both" or method == ARRIVAL or equal_counts):
-        raise ConfigError("samples spanning several CP ranks need balance(level='both', equal_counts=False) "
-                          "with a balancing method; raise max_tokens or use distribute('DP') otherwise")
+    if spanned.any() and (level != "lockstep" or method == ARRIVAL or equal_counts):
+        raise ConfigError("samples spanning several CP ranks are placed with balance(level='lockstep', "
+                          "equal_counts=False) and a balancing method; raise max_tokens or use distribute('DP') otherwise")
     m = microbatches
     entries = []
     if method == ARRIVAL:
         bucket = _arrival_buckets(n, n_buckets)
         mb = _fill_microbatches(bucket, tokens, n_buckets, m, cap)
-    elif level == "bucket" or (level == "both" and equal_counts):
+    elif level in ("bucket", "both"):
         count_cap = math.ceil(n / n_buckets) if equal_counts else None
         bucket = run_balancer(method, BinProblem(costs, tokens, n_buckets, count_cap=count_cap)).bins
         if level == "bucket":
             mb = _fill_microbatches(bucket, tokens, n_buckets, m, cap)
         else:
-            mb = _per_bucket(method, costs, tokens, bucket, n_buckets, m, cap)
+            mb = _within_buckets(method, costs, tokens, bucket, n_buckets, m, cap)
     elif level == "microbatch":
         bucket = _arrival_buckets(n, n_buckets)
-        mb = _per_bucket(method, costs, tokens, bucket, n_buckets, m, cap)
+        mb = _within_buckets(method, costs, tokens, bucket, n_buckets, m, cap)
     else:
         loads = tl = None
         if spanned.any():
@@ -199,15 +241,22 @@ def _align_microbatches(cost, bucket, mb, n_buckets: int, n_mb: int) -> np.ndarr
 
 
 def _place_groups(costs, tokens, *, groups, n_buckets, span, **kw) -> Placement:
-    """Two levels for very large jobs: items to bucket groups first, then balanced inside each group."""
+    """Two levels for very large jobs: items to bucket groups first, then balanced inside each group.
+
+    The first level has one bin per bucket, read as its group, so that a group's share of the
+    items follows its number of buckets (the last group may be smaller).
+    """
     if span is not None and (span > 1).any():
         raise ConfigError("group_size cannot be combined with samples spanning CP ranks")
     method = kw["method"]
+    group_of_bucket = np.empty(n_buckets, np.int64)
+    for g, members in enumerate(groups):
+        group_of_bucket[members] = g
     if method == ARRIVAL:
-        g_of = _arrival_buckets(len(costs), len(groups))
+        g_of = group_of_bucket[_arrival_buckets(len(costs), n_buckets)]
     else:
-        count_cap = math.ceil(len(costs) / len(groups)) if kw["equal_counts"] else None
-        g_of = run_balancer(method, BinProblem(costs, tokens, len(groups), count_cap=count_cap)).bins
+        count_cap = math.ceil(len(costs) / n_buckets) if kw["equal_counts"] else None
+        g_of = group_of_bucket[run_balancer(method, BinProblem(costs, tokens, n_buckets, count_cap=count_cap)).bins]
     parts = []
     for g, members in enumerate(groups):
         idx = np.flatnonzero(g_of == g)

@@ -24,6 +24,7 @@ class Assignment:
     requested_microbatches: int
     oversize: dict
     method: str
+    level: str = "both"
 
 
 class Balance:
@@ -35,7 +36,10 @@ class Balance:
     nowhere. A sample longer than any bin can hold meets ``oversize``: ``"error"`` (default),
     ``"truncate"``, ``"split"`` into independent pieces, or ``"drop"``; all but the first are
     counted in the plan's stats. ``intra=True`` orders each microbatch by cost, largest first;
-    otherwise samples keep their order in the mixed batch.
+    otherwise samples keep their order in the mixed batch. ``level`` chooses where balancing
+    applies (see ``plane/balancing/layout.py``): ``"both"`` (ranks, then microbatches),
+    ``"lockstep"``, ``"bucket"`` or ``"microbatch"``; with sequences spanning CP ranks,
+    ``"both"`` becomes ``"lockstep"`` (recorded in the plan's stats).
     """
 
     def __init__(self, method="karmarkar_karp", microbatches=1, max_tokens=None, intra=False,
@@ -101,18 +105,20 @@ class Balance:
             sub = dataclasses.replace(g.records.take(row[changed]), tokens=tok[changed])
             item_cost = item_cost.copy()
             item_cost[changed] = evaluate_cost(cost_fn, sub)
-        span = None
+        span, level = None, self.level
         if cp > 1 and self.max_tokens is not None:
             span = np.maximum(-(-tok // self.max_tokens), 1)
+            if level == "both" and (span > 1).any():
+                level = "lockstep"   # sequences spanning CP ranks need the pooled (bucket, microbatch) bins
         pl = place(item_cost, tok, n_buckets=len(lay.buckets), microbatches=self.microbatches, method=self.method,
-                   cap=self.max_tokens, level=self.level, equal_counts=self.equal_counts, groups=lay.groups,
+                   cap=self.max_tokens, level=level, equal_counts=self.equal_counts, groups=lay.groups,
                    span=span, cp=cp)
         it = pl.item
         order = -item_cost[it] / pl.nshards if self.intra else it.astype(np.float64)
         entries = {"row": row[it], "bucket": pl.bucket, "mb": pl.mb, "tokens": tok[it],
                    "cost": item_cost[it] / pl.nshards, "piece": piece[it], "npieces": npieces[it],
                    "shard": pl.shard, "nshards": pl.nshards, "order": order}
-        asg = Assignment(entries, pl.n_microbatches, self.microbatches, ostats, self.method)
+        asg = Assignment(entries, pl.n_microbatches, self.microbatches, ostats, self.method, level)
         bins = np.bincount(pl.mb * len(lay.buckets) + pl.bucket, weights=entries["cost"],
                            minlength=pl.n_microbatches * len(lay.buckets))
         note = (f"balance({self.method!r}, microbatches={self.microbatches}"

@@ -19,6 +19,7 @@ def _plan_from(g, asg: Assignment) -> Plan:
                 records=g.records, entries=asg.entries, broadcast=g.broadcast, history=list(g.history))
     plan.stats = compute_stats(plan, asg.requested_microbatches, asg.oversize, g.mix_info)
     plan.stats["method"] = asg.method
+    plan.stats["level"] = asg.level
     return plan
 
 

@@ -30,10 +30,11 @@ class Mix:
         if key in ctx.restoring and self.STATE_SCHEDULE in saved:
             self.schedule.load_state_dict(saved[self.STATE_SCHEDULE])
             ctx.restoring.discard(key)
-        unknown = self.schedule.sources() - set(g.sources)
+        weights = validate_weights(self.schedule.weights(ctx.step), f"mix schedule at step {ctx.step}")
+        # this step's names too: a callable schedule may name a source first at a later step
+        unknown = (self.schedule.sources() | set(weights)) - set(g.sources)
         if unknown:
             raise ConfigError(f"mix schedule names unknown sources {sorted(unknown)}; the buffers hold {list(g.sources)}")
-        weights = validate_weights(self.schedule.weights(ctx.step), f"mix schedule at step {ctx.step}")
         app = Apportioner()
         if self.STATE_APPORTION in saved:
             app.load_state_dict(saved[self.STATE_APPORTION])
