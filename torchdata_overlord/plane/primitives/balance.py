@@ -54,6 +54,9 @@ class Balance:
             raise ConfigError(f"balance(): oversize must be one of {OVERSIZE_POLICIES}, got {oversize!r}")
         if level not in LEVELS:
             raise ConfigError(f"balance(): level must be one of {LEVELS}, got {level!r}")
+        if equal_counts and level == "lockstep":
+            raise ConfigError("balance(): equal_counts=True cannot hold with level='lockstep', which pools every "
+                              "bucket's microbatches; use level='both' or 'bucket'")
         self.method, self.microbatches, self.max_tokens = method, microbatches, max_tokens
         self.intra, self.oversize, self.level, self.equal_counts = intra, oversize, level, equal_counts
 

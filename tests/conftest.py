@@ -1,0 +1,42 @@
+"""Fixtures shared by the data-plane tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import torchdata_overlord as ol
+from torchdata_overlord.plane.balancing import problem as problem_mod
+from _support import zigzag_bins
+
+
+@pytest.fixture
+def zigzag():
+    """Registers ``"zigzag_test"`` (counting its calls and recording its problems) for one test."""
+    calls = []
+
+    def balancer(p: ol.BinProblem):
+        calls.append(p)
+        return zigzag_bins(p.costs, p.n_bins)
+
+    ol.register_balancer("zigzag_test", balancer)
+    try:
+        yield calls
+    finally:
+        problem_mod._REGISTRY.pop("zigzag_test", None)
+
+
+@pytest.fixture
+def register_temp():
+    """Register throwaway balancers by name; all are removed after the test."""
+    names = []
+
+    def register(name, fn):
+        ol.register_balancer(name, fn)
+        names.append(name)
+
+    try:
+        yield register
+    finally:
+        for n in names:
+            problem_mod._REGISTRY.pop(n, None)
