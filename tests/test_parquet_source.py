@@ -1,0 +1,311 @@
+"""ParquetSource on real Parquet files: keys, order, exact resume, bounded memory and bad input.
+
+Every file has a ``gid`` column holding the row's global index in sorted-file order, so the
+expected sample key of a record is read from the data itself, not computed by the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+
+from torchdata_overlord.errors import ConfigError
+from torchdata_overlord.sources import ParquetSource, SourceReadError
+
+# (file name, rows, row group size): uneven row groups, a single-row-group file, a last partial group
+LAYOUT = [("a.parquet", 23, 5), ("b.parquet", 7, 7), ("c.parquet", 30, 4)]
+N = sum(rows for _, rows, _ in LAYOUT)
+ROW_GROUPS = sum(-(-rows // rg) for _, rows, rg in LAYOUT)
+
+
+def write(path, gids, row_group_size, text_len=3):
+    """A Parquet file whose rows carry their global id, some text and a derived int column."""
+    gids = list(gids)
+    table = pa.table({"gid": gids, "text": [f"{g:0{text_len}d}" for g in gids], "sq": [g * g for g in gids]})
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
+@pytest.fixture
+def data(tmp_path):
+    """Three files in tmp_path/data; returns the glob."""
+    d = tmp_path / "data"
+    d.mkdir()
+    start = 0
+    for name, rows, rg in LAYOUT:
+        write(d / name, range(start, start + rows), rg)
+        start += rows
+    return str(d / "*.parquet")
+
+
+def take(src, n):
+    return [next(src) for _ in range(n)]
+
+
+class Double:
+    """A transform with a projection: reads only ``gid`` and ``sq``."""
+
+    columns = ["gid", "sq"]
+
+    def __call__(self, row):
+        return {"gid": row["gid"], "twice": 2 * row["gid"], "sq": row["sq"]}
+
+
+# ---- keys and order ---------------------------------------------------------------------------
+
+def test_every_epoch_yields_every_row_once_under_its_stable_key(data):
+    src = ParquetSource("s", data, epochs=3, seed=5)
+    out = list(src)
+    assert len(out) == 3 * N and src.num_rows == N
+    for e in range(3):
+        epoch = out[e * N:(e + 1) * N]
+        assert Counter(k for k, _ in epoch) == Counter(range(N))
+        assert all(k == rec["gid"] for k, rec in epoch)
+    assert src.files == sorted(src.files) and len(src.files) == 3
+
+
+def test_order_is_a_function_of_seed_and_epoch(data):
+    first = take(ParquetSource("s", data, seed=1), 3 * N)
+    again = take(ParquetSource("s", data, seed=1), 3 * N)
+    other = take(ParquetSource("s", data, seed=2), N)
+    keys = [k for k, _ in first]
+    assert first == again
+    assert keys[:N] != keys[N:2 * N] != keys[2 * N:] and keys[:N] != keys[2 * N:]
+    assert [k for k, _ in other] != keys[:N]
+    assert keys[:N] != list(range(N))  # rows are shuffled inside row groups too, not only groups
+    plain = ParquetSource("s", data, shuffle=False)
+    assert [k for k, _ in take(plain, 2 * N)] == list(range(N)) * 2
+
+
+# ---- exact resume -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("transform", [None, Double()], ids=["rows", "transform"])
+def test_resume_at_any_midpoint_equals_the_uninterrupted_tail(data, transform):
+    full = list(ParquetSource("s", data, transform, seed=3, epochs=3))
+    rng = random.Random(0)
+    # start, inside a row group, around epoch boundaries, the very end, and random points
+    points = [0, 1, 2, 4, 5, 6, N - 1, N, N + 1, 2 * N, 3 * N - 1, 3 * N] + rng.sample(range(3 * N), 12)
+    for k in points:
+        src = ParquetSource("s", data, transform, seed=3, epochs=3)
+        head = take(src, k)
+        state = json.loads(json.dumps(src.state_dict()))  # plain types survive a JSON round trip
+        fresh = ParquetSource("s", data, transform, seed=3, epochs=3)
+        fresh.load_state_dict(state)
+        assert fresh.reads == 0  # restore seeks by metadata
+        tail = list(fresh)
+        assert head + tail == full, f"resume after {k} samples"
+        assert fresh.reads <= 3 * ROW_GROUPS
+
+
+def test_restore_decodes_only_the_row_group_it_lands_in(data):
+    src = ParquetSource("s", data, seed=0)
+    take(src, N + 9)  # second epoch, a few row groups in
+    state = src.state_dict()
+    fresh = ParquetSource("s", data, seed=0)
+    fresh.load_state_dict(state)
+    assert next(fresh) == next(src)
+    assert fresh.reads == 1 and fresh.epoch == 1
+
+
+def test_loading_the_initial_state_replays_everything(data):
+    src = ParquetSource("s", data, seed=4, epochs=2)
+    initial = src.state_dict()
+    first = take(src, N + 3)
+    src.load_state_dict(initial)
+    assert take(src, N + 3) == first
+
+
+def test_state_from_another_configuration_is_refused(data, tmp_path):
+    state = ParquetSource("s", data, seed=1).state_dict()
+    json.dumps(state)
+    with pytest.raises(ConfigError, match="seed"):
+        ParquetSource("s", data, seed=2).load_state_dict(state)
+    with pytest.raises(ConfigError, match="shuffle"):
+        ParquetSource("s", data, seed=1, shuffle=False).load_state_dict(state)
+    with pytest.raises(ConfigError, match="columns"):
+        ParquetSource("s", data, seed=1, columns=["gid"]).load_state_dict(state)
+    with pytest.raises(ConfigError, match="name"):
+        ParquetSource("t", data, seed=1).load_state_dict(state)
+    write(tmp_path / "data" / "d.parquet", range(N, N + 3), 2)  # one more file
+    with pytest.raises(ConfigError, match=r"file list differs.*d\.parquet"):
+        ParquetSource("s", data, seed=1).load_state_dict(state)
+    with pytest.raises(ConfigError, match="not a ParquetSource state"):
+        ParquetSource("s", data, seed=1).load_state_dict({"epoch": 0})
+
+
+def test_state_from_a_rewritten_file_is_refused(data, tmp_path):
+    state = ParquetSource("s", data).state_dict()
+    write(tmp_path / "data" / "b.parquet", range(100, 109), 7)  # same name, other content
+    with pytest.raises(ConfigError, match=r"b\.parquet"):
+        ParquetSource("s", data).load_state_dict(state)
+
+
+# ---- memory and projection ----------------------------------------------------------------------
+
+def test_buffer_holds_one_row_group_not_the_file(tmp_path):
+    path = write(tmp_path / "big.parquet", range(20_000), 1_000, text_len=200)
+    pf = pq.ParquetFile(path)
+    group_nbytes = max(pf.read_row_group(i).nbytes for i in range(pf.num_row_groups))
+    file_nbytes = pq.read_table(path).nbytes
+    assert pf.num_row_groups == 20
+    del pf
+    src = ParquetSource("big", str(path), epochs=1)
+    before, seen, arrow_peak = pa.total_allocated_bytes(), 0, 0
+    for i, _ in enumerate(src):
+        seen = max(seen, src.buffer_bytes)
+        assert src.buffer_bytes <= group_nbytes
+        if i % 250 == 0:  # what Arrow's allocator really holds, not only what the source reports
+            arrow_peak = max(arrow_peak, pa.total_allocated_bytes() - before)
+    assert group_nbytes * 0.9 <= seen <= group_nbytes
+    assert arrow_peak <= 1.5 * group_nbytes
+    assert seen < file_nbytes / 10
+    assert src.buffer_bytes == 0  # released at the end
+
+
+def test_columns_projection(data):
+    src = ParquetSource("s", data, columns=["text"])
+    assert all(set(rec) == {"text"} for _, rec in take(src, N))
+    seen = {}
+    src = ParquetSource("s", data, transform=lambda r: seen.setdefault("cols", set(r)) and r)
+    next(src)
+    assert seen["cols"] == {"gid", "text", "sq"}  # columns=None and no transform.columns: all columns
+    class Seen(Double):
+        def __call__(self, row):
+            assert set(row) == {"gid", "sq"}
+            return super().__call__(row)
+    src = ParquetSource("s", data, transform=Seen())  # the transform's own columns
+    assert src.columns == ["gid", "sq"]
+    assert all(rec["twice"] == 2 * k for k, rec in take(src, N))
+
+
+# ---- paths -------------------------------------------------------------------------------------
+
+def test_paths_as_uri_list_directory_and_filesystem(data, tmp_path):
+    expected = take(ParquetSource("s", data, seed=7), N)
+    d = tmp_path / "data"
+    assert take(ParquetSource("s", "file://" + data, seed=7), N) == expected
+    assert take(ParquetSource("s", [str(d / "c.parquet"), str(d / "[ab].parquet")], seed=7), N) == expected
+    assert take(ParquetSource("s", str(d), seed=7), N) == expected
+    fs = pafs.SubTreeFileSystem(str(d), pafs.LocalFileSystem())
+    assert take(ParquetSource("s", "*.parquet", seed=7, filesystem=fs), N) == expected
+
+
+def test_epochs_one_stops(data):
+    src = ParquetSource("s", data, epochs=1)
+    assert len(list(src)) == N
+    with pytest.raises(StopIteration):
+        next(src)
+    assert src.epoch == 1
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+def test_glob_matching_nothing_names_the_glob(tmp_path):
+    pattern = str(tmp_path / "nowhere" / "*.parquet")
+    with pytest.raises(ConfigError, match="matches no file") as err:
+        ParquetSource("s", pattern)
+    assert pattern in str(err.value)
+
+
+def test_source_without_rows_names_the_source(tmp_path):
+    pq.write_table(pa.table({"gid": pa.array([], pa.int64())}), tmp_path / "empty.parquet")
+    with pytest.raises(ConfigError, match="'hollow' has no rows"):
+        ParquetSource("hollow", str(tmp_path / "*.parquet"))
+
+
+def _corrupt(d):
+    (d / "bb_notparquet.parquet").write_bytes(b"this is not parquet at all")
+    whole = (d / "c.parquet").read_bytes()
+    (d / "cc_truncated.parquet").write_bytes(whole[: len(whole) // 2])
+
+
+@pytest.mark.parametrize("bad", ["bb_notparquet.parquet", "cc_truncated.parquet"])
+def test_unreadable_file_is_named_at_open(data, tmp_path, bad):
+    _corrupt(tmp_path / "data")
+    pattern = str(tmp_path / "data" / bad)
+    with pytest.raises(ConfigError, match="not a readable Parquet file") as err:
+        ParquetSource("s", [data.replace("*", "[abc]"), pattern])
+    assert bad in str(err.value)
+
+
+def test_unreadable_files_are_skipped_counted_and_logged(data, tmp_path, caplog):
+    _corrupt(tmp_path / "data")
+    with caplog.at_level(logging.WARNING, logger="torchdata_overlord"):
+        src = ParquetSource("s", data, on_error="skip", epochs=1)
+    assert sorted(s["file"].rsplit("/", 1)[1] for s in src.skipped) == ["bb_notparquet.parquet",
+                                                                          "cc_truncated.parquet"]
+    assert all(s["row"] is None and s["error"] for s in src.skipped)
+    assert sum("skipped" in r.getMessage() for r in caplog.records) == 2
+    assert sorted(k for k, _ in src) == list(range(N))
+
+
+def test_missing_column_names_file_column_and_available(data):
+    with pytest.raises(ConfigError, match="has no column") as err:
+        ParquetSource("s", data, columns=["gid", "label"])
+    msg = str(err.value)
+    assert "a.parquet" in msg and "'label'" in msg and "'gid', 'text', 'sq'" in msg
+
+
+def _fail_on(bad):
+    def transform(row):
+        if row["gid"] in bad:
+            raise KeyError(f"boom {row['gid']}")
+        return row
+    return transform
+
+
+def test_transform_error_names_file_and_row(data):
+    src = ParquetSource("s", data, _fail_on({25}), shuffle=False)  # gid 25 = b.parquet row 2
+    assert len(take(src, 25)) == 25
+    with pytest.raises(SourceReadError, match=r"b\.parquet row 2 \(key 25\)") as err:
+        next(src)
+    assert isinstance(err.value.__cause__, KeyError)
+    with pytest.raises(SourceReadError):  # stays on the failing sample: no silent loss
+        next(src)
+
+
+def test_transform_errors_are_skipped_counted_and_logged(data, caplog):
+    bad = {0, 24, 59}
+    with caplog.at_level(logging.WARNING, logger="torchdata_overlord"):
+        src = ParquetSource("s", data, _fail_on(bad), on_error="skip", epochs=2, seed=9)
+        out = list(src)
+    assert sorted(k for k, _ in out) == sorted([k for k in range(N) if k not in bad] * 2)
+    assert len(src.skipped) == 6 and all(s["error"].startswith("KeyError") for s in src.skipped)
+    assert {(s["file"].rsplit("/", 1)[1], s["row"]) for s in src.skipped} == {
+        ("a.parquet", 0), ("b.parquet", 1), ("c.parquet", 29)}
+    assert sum("skipped" in r.getMessage() for r in caplog.records) == 6
+    # resume across skipped samples is still exact
+    first = ParquetSource("s", data, _fail_on(bad), on_error="skip", epochs=2, seed=9)
+    head = take(first, 40)
+    fresh = ParquetSource("s", data, _fail_on(bad), on_error="skip", epochs=2, seed=9)
+    fresh.load_state_dict(first.state_dict())
+    assert head + list(fresh) == out
+
+
+def test_file_changed_after_open_is_named(data, tmp_path):
+    src = ParquetSource("s", data, shuffle=False)
+    (tmp_path / "data" / "a.parquet").write_bytes(b"gone")
+    with pytest.raises(SourceReadError, match=r"a\.parquet row group 0"):
+        next(src)
+    skip = ParquetSource("s", data.replace("*", "[bc]"), shuffle=False, on_error="skip")
+    (tmp_path / "data" / "b.parquet").write_bytes(b"gone")
+    assert next(skip)[0] == 7  # b's only row group skipped, c's first row (key 7 of this source)
+    assert skip.skipped[0]["file"].endswith("b.parquet") and skip.skipped[0]["row"] == 0
+
+
+def test_bad_arguments_are_refused(data):
+    with pytest.raises(ConfigError, match="on_error"):
+        ParquetSource("s", data, on_error="ignore")
+    with pytest.raises(ConfigError, match="epochs"):
+        ParquetSource("s", data, epochs=0)
+    with pytest.raises(ConfigError, match="seed"):
+        ParquetSource("s", data, seed=-1)
+    with pytest.raises(ConfigError, match="no paths"):
+        ParquetSource("s", [])

@@ -1,0 +1,416 @@
+"""ParquetSource: the file-reading half of a Source Loader (paper section 3).
+
+Streams one source's Parquet files one row group at a time, projecting only the needed columns,
+in a deterministic order per (seed, epoch), and resumes exactly from a plain-dict state.
+
+Design, in brief:
+
+* **Sample key** = ``offset[file] + row``, where ``file`` indexes :attr:`ParquetSource.files`
+  (sorted resolved paths), ``row`` is the row's index within that file and ``offset[file]`` is
+  the number of rows in all earlier files (from the Parquet footers, no data read). Keys are
+  dense ``0 .. num_rows-1``, identical in every epoch and run over the same file list.
+* **Order**: an epoch is a sequence of *units* (one Parquet row group each). The unit order is a
+  permutation drawn from ``numpy.random.default_rng([seed, epoch])``; the rows of unit
+  ``(file, rg)`` are permuted by ``default_rng([seed, epoch, file, rg])``, so any position can be
+  rebuilt without replaying earlier units. ``shuffle=False`` keeps file, row-group and row order.
+* **State** = ``{"epoch", "unit", "row", "fingerprint"}``: ``unit`` is the position in this
+  epoch's unit order, ``row`` the rows already consumed (yielded or skipped) from that unit. A
+  restore reads only the row group it lands in: everything before it is skipped via metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from ..errors import ConfigError, OverlordError
+
+__all__ = ["ParquetSource", "SourceReadError"]
+
+log = logging.getLogger("torchdata_overlord")
+
+_CHUNK = 64  # rows converted to Python at once: amortises to_pylist without holding a second copy
+
+
+SKIPPED = object()  # what apply() returns for a sample skipped under on_error="skip"
+
+
+class SourceReadError(OverlordError, RuntimeError):
+    """Reading a row group or transforming a sample failed during iteration (on_error="raise")."""
+
+
+# --------------------------------------------------------------------------------------------
+# path resolution: globs, lists, URIs -> sorted (filesystem, path, shown name)
+# --------------------------------------------------------------------------------------------
+
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    """Translate a path glob to a regex: ``*``/``?`` stay within one path segment, ``**`` spans many."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:[^/]*/)*"); i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*"); i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*"); i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]"); i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 2:]:
+            j = pattern.index("]", i + 2)
+            body = pattern[i + 1:j]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]"); i = j + 1
+        else:
+            out.append(re.escape(pattern[i])); i += 1
+    return re.compile("".join(out))
+
+
+def _expand(fs: pafs.FileSystem, pattern: str) -> list[str]:
+    """Files matching ``pattern`` in ``fs``: a glob, a file, or a directory (its ``*.parquet``, recursively)."""
+    m = _GLOB_CHARS.search(pattern)
+    if m is None:
+        info = fs.get_file_info(pattern)
+        if info.type == pafs.FileType.File:
+            return [pattern]
+        if info.type == pafs.FileType.Directory:
+            sel = pafs.FileSelector(pattern, recursive=True)
+            return sorted(i.path for i in fs.get_file_info(sel)
+                          if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
+        return []
+    base = pattern[:m.start()].rpartition("/")[0] or ("/" if pattern.startswith("/") else "")
+    recursive = "/" in pattern[m.start():]
+    infos = fs.get_file_info(pafs.FileSelector(base, recursive=recursive, allow_not_found=True))
+    rx = _glob_regex(pattern)
+    return sorted(i.path for i in infos if i.type == pafs.FileType.File and rx.fullmatch(i.path))
+
+
+def _resolve(name: str, paths, filesystem) -> list[tuple[pafs.FileSystem, str, str]]:
+    """Every entry of ``paths`` expanded; sorted and de-duplicated by shown name. Errors name the entry."""
+    entries = [paths] if isinstance(paths, str) else list(paths)
+    if not entries:
+        raise ConfigError(f"source {name!r}: no paths given; pass a glob such as 'data/{name}/*.parquet'")
+    found: dict[str, tuple[pafs.FileSystem, str, str]] = {}
+    for entry in entries:
+        if not isinstance(entry, str):
+            raise ConfigError(f"source {name!r}: path entries must be strings, got {entry!r}")
+        if filesystem is not None:
+            fs, path = filesystem, entry
+        elif "://" in entry:
+            fs, path = pafs.FileSystem.from_uri(entry)
+        else:
+            fs, path = pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(entry))
+        matches = _expand(fs, path)
+        if not matches:
+            raise ConfigError(f"source {name!r}: {entry!r} matches no file; check the path/glob "
+                              f"(globs use * ? [..] and ** for any depth)")
+        for p in matches:
+            shown = p if fs.type_name == "local" else f"{fs.type_name}://{p}"
+            found[shown] = (fs, p, shown)
+    return [found[k] for k in sorted(found)]
+
+
+# --------------------------------------------------------------------------------------------
+# per-file metadata, read once in __init__
+# --------------------------------------------------------------------------------------------
+
+class _File(NamedTuple):
+    fs: pafs.FileSystem
+    path: str
+    shown: str
+    size: int
+    meta: pq.FileMetaData
+    names: list[str]
+
+
+def _open_meta(fs: pafs.FileSystem, path: str, shown: str) -> _File:
+    """Footer and schema of one file; raises ConfigError naming the file if it is not readable Parquet."""
+    try:
+        size = fs.get_file_info(path).size
+        with fs.open_input_file(path) as f:
+            pf = pq.ParquetFile(f)
+            return _File(fs, path, shown, int(size), pf.metadata, list(pf.schema_arrow.names))
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(f"{shown}: not a readable Parquet file ({type(e).__name__}: {e}); "
+                          f"remove it from the source or pass on_error='skip'") from e
+
+
+def _columns(columns, transform) -> list[str] | None:
+    """The projection: explicit ``columns``, else ``transform.columns``, else None (all columns)."""
+    if columns is None:
+        columns = getattr(transform, "columns", None)
+    if columns is None:
+        return None
+    cols = [columns] if isinstance(columns, str) else list(columns)
+    if not cols or not all(isinstance(c, str) for c in cols):
+        raise ConfigError(f"columns must be a non-empty list of column names or None, got {columns!r}")
+    return list(dict.fromkeys(cols))
+
+
+# --------------------------------------------------------------------------------------------
+# the source
+# --------------------------------------------------------------------------------------------
+
+class ParquetSource:
+    """One source's Parquet files as an iterator of ``(sample_key, record)``, resumable exactly.
+
+    ``paths``: a glob, a file, a directory, a ``pyarrow.fs`` URI (``"file:///d/*.parquet"``,
+    ``"s3://b/k/*.parquet"``) or a list of those; with ``filesystem=`` they are paths inside that
+    filesystem. ``transform(row_dict)`` makes the record. ``columns`` (or ``transform.columns``)
+    is the projection. ``epochs=None`` cycles forever. ``on_error="skip"`` skips unreadable files
+    and failing samples, listing them in :attr:`skipped` and logging them, instead of raising (a
+    requested column missing from a file is a configuration error in either mode).
+    ``iter()`` continues from the current position; use :meth:`load_state_dict` to rewind. When a
+    transform raises (on_error="raise") the position stays on that sample, so a state taken then
+    resumes at it.
+    """
+
+    def __init__(self, name: str, paths, transform: Callable[[dict], Any] | None = None, columns=None,
+                 shuffle: bool = True, seed: int = 0, epochs: int | None = None, on_error: str = "raise",
+                 filesystem: pafs.FileSystem | None = None):
+        if on_error not in ("raise", "skip"):
+            raise ConfigError(f"source {name!r}: on_error must be 'raise' or 'skip', got {on_error!r}")
+        if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
+            raise ConfigError(f"source {name!r}: epochs must be None (forever) or an int >= 1, got {epochs!r}")
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ConfigError(f"source {name!r}: seed must be an int >= 0, got {seed!r}")
+        self.name, self.transform, self.on_error = name, transform, on_error
+        self.shuffle, self.seed, self.epochs = bool(shuffle), int(seed), epochs
+        self.columns = _columns(columns, transform)
+        self.skipped: list[dict] = []
+        self._files = self._open_all(_resolve(name, paths, filesystem))
+        self.files = [f.shown for f in self._files]
+        self._build_units()
+        self.reads = 0  # row groups decoded so far (observability: restores must not re-read)
+        self._handle = None  # (file, raw handle, ParquetFile) of the file being read
+        self._set_position(0, 0, 0)
+
+    # ---- setup ------------------------------------------------------------------------------
+
+    def _open_all(self, resolved) -> list[_File]:
+        """Open every file's footer now, so bad files and missing columns fail before iteration."""
+        files = []
+        for fs, path, shown in resolved:
+            try:
+                f = _open_meta(fs, path, shown)
+            except ConfigError as e:
+                if self.on_error == "raise":
+                    raise ConfigError(f"source {self.name!r}: {e}") from e.__cause__
+                self._skip(shown, None, e)
+                continue
+            missing = [c for c in self.columns or () if c not in f.names]
+            if missing:
+                raise ConfigError(f"source {self.name!r}: {shown} has no column(s) {missing}; available "
+                                  f"columns: {f.names}. Fix `columns=` (or the transform's `columns`).")
+            files.append(f)
+        return files
+
+    def _build_units(self) -> None:
+        """Flatten (file, row group) into unit arrays; file offsets make the dense sample keys."""
+        ufile, urg, urows, ufirst, uoffset = [], [], [], [], []
+        offset = 0
+        for fi, f in enumerate(self._files):
+            first = 0
+            for rg in range(f.meta.num_row_groups):
+                n = f.meta.row_group(rg).num_rows
+                if n:
+                    ufile.append(fi); urg.append(rg); urows.append(n); ufirst.append(first); uoffset.append(offset)
+                first += n
+            offset += f.meta.num_rows
+        if offset == 0:
+            raise ConfigError(f"source {self.name!r} has no rows ({len(self.files)} readable file(s), "
+                              f"{len(self.skipped)} skipped); point it at non-empty Parquet files")
+        self.num_rows = offset  # rows per epoch
+        self._ufile, self._urg = np.asarray(ufile, np.int64), np.asarray(urg, np.int64)
+        self._urows, self._ufirst = np.asarray(urows, np.int64), np.asarray(ufirst, np.int64)
+        self._uoffset = np.asarray(uoffset, np.int64)  # key = offset of the file + row within the file
+        self._fingerprint = {
+            "name": self.name, "seed": self.seed, "shuffle": self.shuffle, "columns": self.columns,
+            "files": [[f.shown, f.size, f.meta.num_rows] for f in self._files]}
+
+    # ---- position ---------------------------------------------------------------------------
+
+    def _set_position(self, epoch: int, unit: int, row: int) -> None:
+        """Jump to (epoch, unit, row) using metadata only; the row group is decoded on the next read."""
+        self.epoch, self._unit, self._row = epoch, unit, row
+        self._order = self._unit_order(epoch)
+        self._drop_buffer()
+        self._close_file()
+
+    def _unit_order(self, epoch: int) -> np.ndarray:
+        n = len(self._urows)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch]).permutation(n)
+
+    def _row_order(self, u: int) -> np.ndarray:
+        n = int(self._urows[u])
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, self.epoch, int(self._ufile[u]), int(self._urg[u])]).permutation(n)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Arrow bytes held right now: the one decoded row group (0 between row groups)."""
+        return 0 if self._table is None else int(self._table.nbytes)
+
+    def state_dict(self) -> dict:
+        """The exact position plus the config fingerprint, as plain ints/strs/lists (JSON-able)."""
+        fp = self._fingerprint
+        return {"epoch": self.epoch, "unit": self._unit, "row": self._row,
+                "fingerprint": {**fp, "columns": None if fp["columns"] is None else list(fp["columns"]),
+                                "files": [list(x) for x in fp["files"]]}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where ``state`` was taken; refuses (ConfigError) a state of another config."""
+        try:
+            epoch, unit, row, fp = (state[k] for k in ("epoch", "unit", "row", "fingerprint"))
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"source {self.name!r}: not a ParquetSource state (need epoch, unit, row, "
+                              f"fingerprint): {state!r:.200}") from e
+        self._check_fingerprint(fp)
+        ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, unit, row))
+        n = len(self._urows)
+        if not ints or unit > n or (unit < n and row > self._urows[self._unit_order(epoch)[unit]]):
+            raise ConfigError(f"source {self.name!r}: position epoch={epoch!r} unit={unit!r} row={row!r} "
+                              f"is out of range for {n} row groups")
+        self._set_position(epoch, unit, row)
+
+    def _check_fingerprint(self, fp) -> None:
+        mine = self._fingerprint
+        if not isinstance(fp, dict):
+            raise ConfigError(f"source {self.name!r}: state fingerprint must be a dict, got {fp!r:.100}")
+        for k in ("name", "seed", "shuffle", "columns"):
+            if fp.get(k) != mine[k]:
+                raise ConfigError(f"source {self.name!r}: state was taken with {k}={fp.get(k)!r}, this source "
+                                  f"has {k}={mine[k]!r}; restore with the same configuration")
+        theirs = [list(x) for x in fp.get("files") or []]
+        ours = [list(x) for x in mine["files"]]
+        if theirs != ours:
+            i = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+            a = theirs[i] if i < len(theirs) else "nothing"
+            b = ours[i] if i < len(ours) else "nothing"
+            raise ConfigError(f"source {self.name!r}: file list differs from the state's ({len(theirs)} vs "
+                              f"{len(ours)} files); first difference at #{i}: state has {a}, now {b} "
+                              f"([path, bytes, rows]). Restore over the same files.")
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def __iter__(self) -> "ParquetSource":
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        while True:
+            key, row, where = self.next_raw()
+            try:
+                out = self.apply(row, where)
+            except SourceReadError:
+                self._row -= 1      # stay on the failing sample: a state taken now resumes at it
+                raise
+            if out is not SKIPPED:
+                return key, out
+
+    def next_raw(self) -> tuple[int, dict, tuple[str, int, int]]:
+        """The next row before the transform, with ``(file, row, key)`` for :meth:`apply`'s errors.
+
+        Reading is sequential and cheap; a Source Loader runs :meth:`apply` on a worker pool.
+        """
+        while True:
+            if self.epochs is not None and self.epoch >= self.epochs:
+                raise StopIteration
+            if self._unit >= len(self._urows):
+                self._set_position(self.epoch + 1, 0, 0)
+                continue
+            u = int(self._order[self._unit])
+            if self._row >= self._urows[u]:
+                self._unit, self._row = self._unit + 1, 0
+                self._drop_buffer()
+                continue
+            if self._table is None and not self._load(u):
+                continue
+            return self._sample(u)
+
+    def apply(self, row: dict, where: tuple[str, int, int]):
+        """``transform(row)`` under this source's error policy: the record, or ``SKIPPED``."""
+        if self.transform is None:
+            return row
+        try:
+            return self.transform(row)
+        except Exception as e:  # noqa: BLE001 (any user error: wrap with file and row)
+            f, r, key = where
+            if self.on_error == "raise":
+                raise SourceReadError(f"source {self.name!r}: transform failed on {f} row {r} (key {key}): "
+                                      f"{type(e).__name__}: {e}. Fix the transform or pass "
+                                      f"on_error='skip'.") from e
+            self._skip(f, r, e)
+            return SKIPPED
+
+    def _load(self, u: int) -> bool:
+        """Decode unit ``u``'s row group (the only one held). False if it was skipped as unreadable."""
+        f, rg = self._files[int(self._ufile[u])], int(self._urg[u])
+        try:
+            if self._handle is None or self._handle[0] is not f:
+                self._close_file()
+                raw = f.fs.open_input_file(f.path)
+                self._handle = (f, raw, pq.ParquetFile(raw, metadata=f.meta))
+            self._table = self._handle[2].read_row_group(rg, columns=self.columns)
+        except (pa.ArrowException, OSError) as e:
+            first = int(self._ufirst[u])
+            if self.on_error == "raise":
+                raise SourceReadError(f"source {self.name!r}: reading {f.shown} row group {rg} (rows from "
+                                      f"{first}) failed: {type(e).__name__}: {e}; has the file changed "
+                                      f"since the source was opened? Or pass on_error='skip'.") from e
+            self._skip(f.shown, first, e)
+            self._unit, self._row = self._unit + 1, 0
+            return False
+        self.reads += 1
+        self._perm = self._row_order(u)
+        return True
+
+    def _sample(self, u: int) -> tuple[int, dict, tuple[str, int, int]]:
+        """The raw row at the current position, advancing past it."""
+        start = self._pending_start
+        if start is None or not (start <= self._row < start + len(self._pending)):
+            idx = self._perm[self._row:self._row + _CHUNK]
+            self._pending, self._pending_start = self._table.take(pa.array(idx)).to_pylist(), self._row
+        r = int(self._ufirst[u] + self._perm[self._row])  # row index within the file
+        row = self._pending[self._row - self._pending_start]
+        key = int(self._uoffset[u]) + r
+        self._row += 1
+        return key, row, (self._files[int(self._ufile[u])].shown, r, key)
+
+    def _skip(self, file: str, row: int | None, err: BaseException) -> None:
+        self.skipped.append({"file": file, "row": row, "error": f"{type(err).__name__}: {err}"})
+        where = "" if row is None else f" row {row}"
+        log.warning("source %r: skipped %s%s: %s: %s", self.name, file, where, type(err).__name__, err)
+
+    def _drop_buffer(self) -> None:
+        self._table, self._perm, self._pending, self._pending_start = None, None, [], None
+
+    def _close_file(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle[1].close()
+
+    def close(self) -> None:
+        """Release the decoded row group and the open file handle (iteration reopens as needed)."""
+        self._drop_buffer()
+        self._close_file()
+
+    def __enter__(self) -> "ParquetSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ParquetSource({self.name!r}, {len(self.files)} files, {self.num_rows} rows, "
+                f"epoch={self.epoch}, unit={self._unit}/{len(self._urows)}, row={self._row})")
