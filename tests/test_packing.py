@@ -1,0 +1,177 @@
+"""pack/unpack/attention masks: labels stay inside segments, positions restart, padding is ignored.
+
+Expected values come from plain Python loops over the input lists, never from the code under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchdata_overlord.errors import ConfigError, OversizeSampleError
+from torchdata_overlord.transforms import attention_mask_from_segments, pack, unpack
+
+IGN = -100
+PAD = 7
+SETTINGS = settings(max_examples=50, deadline=None)
+
+
+@st.composite
+def pack_case(draw):
+    """Random segments (empty ones included), and a seq_len/pad_to_multiple pair that fits them."""
+    segs = draw(st.lists(st.lists(st.integers(0, 50_000), max_size=24), max_size=8))
+    total = sum(map(len, segs))
+    mult = draw(st.integers(1, 8))
+    if draw(st.booleans()):
+        seq_len = None
+    else:
+        seq_len = -(-(total + draw(st.integers(0, 12))) // mult) * mult
+    return segs, seq_len, mult
+
+
+def reference(segs, seq_len, mult):
+    """pack()'s contract, token by token."""
+    total = sum(map(len, segs))
+    length = seq_len if seq_len is not None else -(-total // mult) * mult
+    ids, labels, mask, pos, seg_ids, cu = [], [], [], [], [], [0]
+    for k, s in enumerate(segs):
+        for j, tok in enumerate(s):
+            ids.append(tok)
+            last = j == len(s) - 1
+            labels.append(IGN if last else s[j + 1])
+            mask.append(not last)
+            pos.append(j)
+            seg_ids.append(k)
+        cu.append(cu[-1] + len(s))
+    pad = length - total
+    for j in range(pad):
+        ids.append(PAD), labels.append(IGN), mask.append(False), pos.append(j), seg_ids.append(-1)
+    if pad:
+        cu.append(length)
+    max_seqlen = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+    return dict(input_ids=ids, labels=labels, loss_mask=mask, position_ids=pos, segment_ids=seg_ids,
+                cu_seqlens=cu, max_seqlen=max_seqlen)
+
+
+def run_pack(segs, seq_len, mult):
+    return pack([torch.tensor(s, dtype=torch.int64) for s in segs], seq_len, pad_id=PAD, ignore_index=IGN,
+                pad_to_multiple=mult)
+
+
+@SETTINGS
+@given(pack_case())
+def test_pack_matches_reference(case):
+    segs, seq_len, mult = case
+    out = run_pack(*case)
+    ref = reference(*case)
+    assert set(out) == set(ref)
+    for k, v in ref.items():
+        assert out[k].tolist() == v, k
+    assert out["cu_seqlens"].dtype == torch.int32 and out["max_seqlen"].dim() == 0
+    assert out["loss_mask"].dtype == torch.bool and out["input_ids"].dtype == torch.int64
+    length = len(ref["input_ids"])
+    assert length % mult == 0 and (seq_len is None or length == seq_len)
+    if seq_len is None:
+        assert length - sum(map(len, segs)) < mult  # padding-free up to the multiple
+
+
+@SETTINGS
+@given(pack_case())
+def test_labels_never_cross_segments_and_positions_restart(case):
+    out = run_pack(*case)
+    ids, lab, m = out["input_ids"].tolist(), out["labels"].tolist(), out["loss_mask"].tolist()
+    seg, pos = out["segment_ids"].tolist(), out["position_ids"].tolist()
+    n = len(ids)
+    for i in range(n):
+        if m[i]:
+            assert i + 1 < n and seg[i] == seg[i + 1] and seg[i] >= 0 and lab[i] == ids[i + 1]
+        else:
+            assert lab[i] == IGN
+        last_of_segment = i + 1 == n or seg[i + 1] != seg[i]
+        if last_of_segment:
+            assert not m[i] and lab[i] == IGN
+        if seg[i] < 0:  # padding: never trained on
+            assert not m[i] and lab[i] == IGN and ids[i] == PAD
+        first_of_segment = i == 0 or seg[i - 1] != seg[i]
+        assert pos[i] == (0 if first_of_segment else pos[i - 1] + 1)
+
+
+@SETTINGS
+@given(pack_case())
+def test_cu_seqlens_consistent_with_segment_ids(case):
+    segs, _, _ = case
+    out = run_pack(*case)
+    cu, seg = out["cu_seqlens"].tolist(), out["segment_ids"].tolist()
+    assert cu[0] == 0 and cu[-1] == len(seg) and all(a <= b for a, b in zip(cu, cu[1:]))
+    assert len(cu) - 1 in (len(segs), len(segs) + 1)
+    padded = len(cu) - 1 == len(segs) + 1
+    for k, (a, b) in enumerate(zip(cu, cu[1:])):
+        want = -1 if padded and k == len(segs) else k
+        assert all(seg[i] == want for i in range(a, b))
+    if padded:
+        assert cu[-1] > cu[-2]  # a padding entry is only there when there is padding
+    assert int(out["max_seqlen"]) == max((b - a for a, b in zip(cu, cu[1:])), default=0)
+
+
+@SETTINGS
+@given(pack_case())
+def test_unpack_inverts_pack(case):
+    segs = case[0]
+    assert [t.tolist() for t in unpack(run_pack(*case))] == segs
+
+
+@SETTINGS
+@given(pack_case().filter(lambda c: sum(map(len, c[0])) <= 40))
+def test_block_diagonal_mask(case):
+    out = run_pack(*case)
+    seg = out["segment_ids"].tolist()
+    mask = attention_mask_from_segments(out["segment_ids"])
+    assert mask.dtype == torch.bool and mask.shape == (len(seg), len(seg))
+    got = mask.tolist()
+    for i in range(len(seg)):
+        for j in range(len(seg)):
+            assert got[i][j] == (seg[i] == seg[j] and j <= i)
+
+
+@SETTINGS
+@given(st.lists(st.integers(1, 20), min_size=1, max_size=6), st.integers(1, 30))
+def test_seq_len_overflow_names_total_and_seq_len(lengths, short_by):
+    total = sum(lengths)
+    seq_len = max(total - short_by, 0)
+    with pytest.raises(OversizeSampleError, match=rf"\b{total} tokens.*seq_len={seq_len}\b"):
+        pack([torch.ones(n, dtype=torch.int64) for n in lengths], seq_len)
+    assert issubclass(OversizeSampleError, ValueError)
+
+
+def test_empty_input():
+    out = pack([], None)
+    assert {k: v.tolist() for k, v in out.items()} == dict(
+        input_ids=[], labels=[], loss_mask=[], position_ids=[], segment_ids=[], cu_seqlens=[0], max_seqlen=0)
+    out = pack([], 4, pad_id=3, ignore_index=-1)
+    assert {k: v.tolist() for k, v in out.items()} == dict(
+        input_ids=[3] * 4, labels=[-1] * 4, loss_mask=[False] * 4, position_ids=[0, 1, 2, 3],
+        segment_ids=[-1] * 4, cu_seqlens=[0, 4], max_seqlen=4)
+    assert unpack(out) == []
+    assert pack([], None, pad_to_multiple=8)["input_ids"].numel() == 0
+
+
+def test_exact_fit_has_no_padding_entry_and_other_int_dtypes_are_accepted():
+    out = pack([torch.tensor([5, 6], dtype=torch.int32), torch.tensor([9], dtype=torch.int16)], 3)
+    assert out["cu_seqlens"].tolist() == [0, 2, 3] and out["labels"].tolist() == [6, -100, -100]
+    assert out["input_ids"].dtype == torch.int64
+
+
+@pytest.mark.parametrize("kwargs", [dict(seq_len=6, pad_to_multiple=4), dict(seq_len=None, pad_to_multiple=0),
+                                    dict(seq_len=-1)])
+def test_bad_lengths_raise(kwargs):
+    with pytest.raises(ConfigError):
+        pack([torch.tensor([1, 2])], **kwargs)
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([1.0, 2.0]), torch.ones(2, 2, dtype=torch.int64),
+                                 torch.tensor([True, False])])
+def test_non_token_tensors_raise(bad):
+    with pytest.raises(ConfigError, match=r"sequences\[1\]"):
+        pack([torch.tensor([1]), bad], None)
