@@ -9,7 +9,9 @@ The public API, in the order a training script meets it:
   :class:`Dynamic`), the cost models (:func:`token_count`, :data:`attention_flops`,
   :data:`encoder_cost`) and :func:`register_balancer` for user balancing methods;
 * the roles: :class:`Planner` (runs a strategy on buffer metadata, one :class:`Plan` per step);
-* the metadata a Source Loader reports: :class:`BufferMeta`.
+* the metadata a Source Loader reports: :class:`BufferMeta`;
+* real data: :class:`ParquetSource` with the sample transforms :class:`Tokenize` and :class:`ImageText`;
+* the trainer's drop-in ``DataLoader``: :class:`OverlordLoader`.
 """
 
 from .errors import BufferShortageError, ConfigError, OverlordError, OversizeSampleError
@@ -17,14 +19,18 @@ from .plane import (AttentionFlops, BufferMeta, ClientPlaceTree, Constant, Cosin
                     FromCallable, Linear, Piecewise, Plan, PlanItem, SampleKey, Schedule, attention_flops,
                     encoder_cost, token_count)
 from .plane.balancing import BinProblem, register_balancer
+from .loader import OverlordLoader
 from .roles import Planner
+from .sources import ParquetSource, SourceReadError
+from .transforms import ImageText, Tokenize
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "OverlordLoader", "ParquetSource", "Tokenize", "ImageText",
     "ClientPlaceTree", "DGraph", "Plan", "PlanItem", "SampleKey", "BufferMeta", "Planner",
     "Schedule", "Constant", "Piecewise", "Linear", "Cosine", "FromCallable", "Dynamic",
     "token_count", "AttentionFlops", "attention_flops", "EncoderCost", "encoder_cost",
     "register_balancer", "BinProblem",
-    "OverlordError", "ConfigError", "OversizeSampleError", "BufferShortageError",
+    "OverlordError", "ConfigError", "OversizeSampleError", "BufferShortageError", "SourceReadError",
 ]

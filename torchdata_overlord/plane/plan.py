@@ -142,7 +142,8 @@ class Plan:
         """Tokens per (microbatch, bucket), per rank of the bucket (CP shards counted as placed)."""
         e = self.entries
         flat = e["mb"] * len(self.buckets) + e["bucket"]
-        per_rank = -(-e["tokens"] // e["nshards"])
+        # a sequence spanning k CP ranks gives each a zig-zag shard of 2 chunks of ceil(n / 2k) tokens
+        per_rank = np.where(e["nshards"] > 1, 2 * -(-e["tokens"] // (2 * e["nshards"])), e["tokens"])
         return np.bincount(flat, weights=per_rank, minlength=self.n_microbatches * len(self.buckets)).reshape(
             self.n_microbatches, len(self.buckets)).astype(np.int64)
 

@@ -68,7 +68,9 @@ def _glob_regex(pattern: str) -> re.Pattern:
         elif pattern[i] == "[" and "]" in pattern[i + 2:]:
             j = pattern.index("]", i + 2)
             body = pattern[i + 1:j]
-            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]"); i = j + 1
+            neg = body.startswith("!")
+            body = (body[1:] if neg else body).replace("\\", "\\\\").replace("[", "\\[")
+            out.append("[" + ("^" if neg else "") + body + "]"); i = j + 1
         else:
             out.append(re.escape(pattern[i])); i += 1
     return re.compile("".join(out))

@@ -125,7 +125,10 @@ def _place_spans(costs, tokens, span, n_buckets, cp, m, cap):
     dp = n_buckets // cp
     for i in np.flatnonzero(span > 1)[np.argsort(-costs[span > 1], kind="stable")]:
         k = int(span[i])
-        c, t = costs[i] / k, math.ceil(tokens[i] / k)
+        c, t = costs[i] / k, 2 * math.ceil(tokens[i] / (2 * k))   # a zig-zag shard: 2 chunks of ceil(n / 2k)
+        if k > cp or t > cap:
+            raise ConfigError(f"a sequence of {int(tokens[i])} tokens cannot span {k} of {cp} CP ranks with at most "
+                              f"{cap} tokens per rank")
         while True:
             best = None
             grid = loads.reshape(loads.shape[0], dp, cp)

@@ -98,7 +98,10 @@ class Balance:
             raise ConfigError("balance() needs buckets: call distribute('DP'|'CP'|'WORLD') before balance()")
         lay = g.layout
         cp = lay.tree.sizes.get("cp", 1) if lay.axis == "cp" else 1
-        limit = None if self.max_tokens is None else self.max_tokens * cp
+        # a sequence spanning k CP ranks gives each a zig-zag shard of 2 * ceil(n / 2k) tokens, so
+        # one rank holds at most `even` tokens of it and a sequence may span at most cp ranks
+        even = None if self.max_tokens is None else 2 * (self.max_tokens // 2)
+        limit = None if self.max_tokens is None else (self.max_tokens if cp == 1 else max(self.max_tokens, even * cp))
         cost_fn = g.cost_fn or token_count
         costs = g.costs if g.costs is not None else evaluate_cost(cost_fn, g.records)
         row, tok, piece, npieces, ostats = self._oversize(g, limit, cp)
@@ -110,7 +113,7 @@ class Balance:
             item_cost[changed] = evaluate_cost(cost_fn, sub)
         span, level = None, self.level
         if cp > 1 and self.max_tokens is not None:
-            span = np.maximum(-(-tok // self.max_tokens), 1)
+            span = np.where(tok > self.max_tokens, -(-tok // max(even, 1)), 1)
             if level == "both" and (span > 1).any():
                 level = "lockstep"   # sequences spanning CP ranks need the pooled (bucket, microbatch) bins
         pl = place(item_cost, tok, n_buckets=len(lay.buckets), microbatches=self.microbatches, method=self.method,

@@ -1,0 +1,296 @@
+"""The roles on real files and the drop-in loader: exact resume, no loss, clean shutdown."""
+
+import json
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import torchdata_overlord as ol
+from torchdata_overlord.roles.source_loader import SourceLoader
+from torchdata_overlord.sim.corpus import build_demo_corpus
+from torchdata_overlord.sources import ParquetSource
+from torchdata_overlord.transforms import ImageText, Tokenize
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return build_demo_corpus(tmp_path_factory.mktemp("corpus"), scale="test", seed=0)
+
+
+def make_sources(corpus, seed=0, epochs=None, names=("web", "code", "long", "caps")):
+    out = []
+    for name in names:
+        if name == "caps":
+            t = ImageText(corpus.spm_model, image_field="image", text_field="text", patch=14, max_side=112)
+        else:
+            t = Tokenize(corpus.spm_model, field=corpus.text_fields[name])
+        out.append(ParquetSource(name, corpus.sources[name], t, seed=seed, epochs=epochs))
+    return out
+
+
+def strategy_for(kind):
+    weights = {"web": 0.4, "code": 0.25, "long": 0.15, "caps": 0.2}
+
+    def dp(g):
+        return (g.mix(weights).distribute("DP").cost(ol.attention_flops)
+                .balance("karmarkar_karp", microbatches=2, max_tokens=2048, oversize="split").broadcast_at("TP").plan())
+
+    def cp(g):
+        return (g.mix(ol.Linear(weights, {"web": 0.25, "code": 0.25, "long": 0.25, "caps": 0.25}, steps=6))
+                .distribute("CP").cost(ol.attention_flops)
+                .balance("greedy", microbatches=2, max_tokens=1024, oversize="truncate").plan())
+
+    def vlm(g):
+        g = g.mix(weights)
+        img = g.view("image").distribute("WORLD").cost(ol.encoder_cost).balance("greedy")
+        return (g.view("text").distribute("DP").cost(ol.attention_flops)
+                .balance("greedy", microbatches=2, max_tokens=2048, oversize="split").plan(encoder=img))
+
+    return {"dp": dp, "cp": cp, "vlm": vlm}[kind]
+
+
+def make_loader(corpus, kind, mesh_sizes, seed=0, rank=None, **kw):
+    mesh = ol.ClientPlaceTree(**mesh_sizes)
+    if kind == "vlm":
+        mesh.attach("encoder", dp=mesh.world_size)
+    return ol.OverlordLoader(make_sources(corpus, seed=seed), strategy_for(kind), mesh, rank=rank, global_batch=16,
+                             seq_len=None, seed=seed, image_token_id=corpus.image_token_id, **kw)
+
+
+def flatten(item):
+    """Every tensor / value of a step's output, in a canonical order, for bit-exact comparison."""
+    out = []
+
+    def walk(x, path):
+        if isinstance(x, dict):
+            for k in sorted(x, key=str):
+                walk(x[k], path + (str(k),))
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, path + (i,))
+        else:
+            out.append((path, x))
+    walk(item, ())
+    return out
+
+
+def assert_identical(a, b):
+    fa, fb = flatten(a), flatten(b)
+    assert [p for p, _ in fa] == [p for p, _ in fb]
+    for (p, x), (_, y) in zip(fa, fb):
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape, p
+            assert torch.equal(x, y), p
+        else:
+            assert x == y, p
+
+
+# -- Source Loader contract --------------------------------------------------------------------
+
+def _drain(loader, steps, rng):
+    """Take a random prefix or scattered subset of the buffer each step; return what was taken."""
+    taken = []
+    for _ in range(steps):
+        meta = loader.metadata()
+        idx = list(meta.index)
+        k = int(rng.integers(1, 6))
+        pick = idx[:k] if rng.random() < 0.5 else sorted(rng.choice(idx, size=min(k, len(idx)), replace=False).tolist(),
+                                                            key=idx.index)
+        got = loader.take(pick)
+        taken.append([(i, got[i]["input_ids"].tolist()) for i in pick])
+    return taken
+
+
+@pytest.mark.parametrize("midpoint", [0, 1, 4, 9])
+def test_source_loader_resume_equals_uninterrupted_tail(corpus, midpoint):
+    def fresh():
+        src = ParquetSource("web", corpus.sources["web"], Tokenize(corpus.spm_model, field="text"), seed=3)
+        return SourceLoader(src, buffer_size=7, workers=2)
+
+    full = _drain(fresh(), 14, np.random.default_rng(midpoint))
+    first = fresh()
+    rng = np.random.default_rng(midpoint)
+    head = _drain(first, midpoint, rng)
+    state = json.loads(json.dumps(first.state_dict()))       # plain types only
+    second = fresh()
+    second.reset(state)
+    tail = _drain(second, 14 - midpoint, rng)
+    assert head + tail == full
+    # loading the initial state replays everything
+    third = fresh()
+    third.reset(fresh().state_dict())
+    assert _drain(third, 14, np.random.default_rng(midpoint)) == full
+
+
+def test_source_loader_node_stream_and_metadata(corpus):
+    src = ParquetSource("caps", corpus.sources["caps"], ImageText(corpus.spm_model, max_side=112), seed=0, epochs=1)
+    loader = SourceLoader(src, buffer_size=5, image_token_id=corpus.image_token_id)
+    meta = loader.metadata()
+    assert len(meta) == 5 and (meta.num_images == 1).all() and (meta.patches > 0).all()
+    assert (meta.tokens > meta.patches).all()                 # placeholders + caption tokens
+    seen = [i for i, _ in loader]                              # BaseNode iteration drains the source
+    assert len(seen) == len(set(seen)) == src.num_rows
+
+
+# -- the drop-in loader ------------------------------------------------------------------------
+
+CASES = [("dp", dict(pp=2, dp=2, cp=2, tp=2), 3), ("cp", dict(dp=2, cp=2), 2), ("vlm", dict(dp=2, tp=2), 4)]
+
+
+@pytest.mark.parametrize("kind,mesh,k", CASES)
+def test_resume_is_bit_identical_for_every_rank(corpus, kind, mesh, k, tmp_path):
+    total = k + 3
+    with make_loader(corpus, kind, mesh) as ref:
+        stream = [item for _, item in zip(range(total), ref)]
+    with make_loader(corpus, kind, mesh) as first:
+        head = [item for _, item in zip(range(k), first)]
+        state = first.state_dict()
+        assert first.state_dict() == state                    # side-effect free
+    path = tmp_path / "loader.pt"
+    torch.save(state, path)
+    restored = torch.load(path, weights_only=True)             # plain types only
+    with make_loader(corpus, kind, mesh) as second:
+        second.load_state_dict(restored)
+        tail = [item for _, item in zip(range(total - k), second)]
+    for a, b in zip(head + tail, stream):
+        assert_identical(a, b)
+
+
+def test_resume_in_a_new_process(corpus, tmp_path):
+    mesh = dict(pp=1, dp=2, cp=2, tp=1)
+    with make_loader(corpus, "dp", mesh) as ref:
+        stream = [item for _, item in zip(range(4), ref)]
+    with make_loader(corpus, "dp", mesh) as first:
+        next(iter(first))
+        torch.save(first.state_dict(), tmp_path / "state.pt")
+    script = f"""
+import sys, torch
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from test_loader import make_loader
+from torchdata_overlord.sim.corpus import build_demo_corpus
+corpus = build_demo_corpus({str(Path(corpus.root))!r}, scale="test", seed=0)
+with make_loader(corpus, "dp", {mesh!r}) as loader:
+    loader.load_state_dict(torch.load({str(tmp_path / 'state.pt')!r}, weights_only=True))
+    torch.save([item for _, item in zip(range(3), loader)], {str(tmp_path / 'tail.pt')!r})
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    tail = torch.load(tmp_path / "tail.pt", weights_only=False)
+    for a, b in zip(tail, stream[1:]):
+        assert_identical(a, b)
+
+
+def test_single_rank_loader_matches_the_simulation(corpus):
+    mesh = dict(pp=2, dp=2, cp=2, tp=2)
+    with make_loader(corpus, "dp", mesh) as sim:
+        steps = [item for _, item in zip(range(2), sim)]
+    for rank in (0, 3, 5, 14):
+        with make_loader(corpus, "dp", mesh, rank=rank) as one:
+            for s, item in zip(steps, one):
+                assert_identical(item, s[rank])
+
+
+def test_no_sample_lost_or_repeated_within_an_epoch(corpus):
+    mesh = ol.ClientPlaceTree(dp=2, cp=2, tp=2)
+    sources = make_sources(corpus, epochs=1, names=("web", "code"))
+
+    def strategy(g):
+        return (g.mix({"web": 0.5, "code": 0.5}).distribute("DP").cost(ol.token_count)
+                .balance("greedy", microbatches=2).broadcast_at("TP").plan())
+
+    seen = Counter()
+    with ol.OverlordLoader(sources, strategy, mesh, rank=None, global_batch=8, seq_len=None) as loader:
+        for item in loader:
+            for rank, out in item.items():
+                c = mesh.coords(rank)
+                if out["delivery"] == "data" and c["cp"] == 0:   # one client per bucket
+                    for mb in out["microbatches"]:
+                        seen.update(mb["sample_keys"])
+        stats = loader.stats()
+        assert loader.exhausted_reason and "finished" in loader.exhausted_reason
+    assert seen and max(seen.values()) == 1                      # nothing repeated
+    served = sum(s["served"] for s in stats["sources"].values())
+    assert len(seen) == served                                   # nothing taken from a loader and lost
+
+
+def test_close_leaves_no_thread_and_is_idempotent(corpus):
+    before = set(threading.enumerate())
+    loader = make_loader(corpus, "dp", dict(dp=2), workers={"caps": 2})
+    it = iter(loader)
+    next(it)
+    loader.close()
+    loader.close()
+    assert set(threading.enumerate()) <= before
+
+
+def test_exception_in_the_training_loop_still_cleans_up(corpus):
+    before = set(threading.enumerate())
+    with pytest.raises(RuntimeError, match="boom"):
+        with make_loader(corpus, "dp", dict(dp=2), workers=2) as loader:
+            for _ in loader:
+                raise RuntimeError("boom")
+    assert set(threading.enumerate()) <= before
+
+
+def test_state_from_another_configuration_is_refused(corpus):
+    with make_loader(corpus, "dp", dict(dp=2), seed=0) as a:
+        next(iter(a))
+        state = a.state_dict()
+    with make_loader(corpus, "dp", dict(dp=2), seed=1) as b:
+        with pytest.raises(ol.ConfigError, match="seed"):
+            b.load_state_dict(state)
+    with make_loader(corpus, "dp", dict(dp=4), seed=0) as c:
+        with pytest.raises(ol.ConfigError, match="mesh"):
+            c.load_state_dict(state)
+
+
+def test_load_state_copies_its_input(corpus):
+    with make_loader(corpus, "dp", dict(dp=2)) as a:
+        stream = [x for _, x in zip(range(3), a)]
+    with make_loader(corpus, "dp", dict(dp=2)) as b:
+        next(iter(b))
+        state = b.state_dict()
+        b.load_state_dict(state)
+        state["job"]["planner"]["step"] = 99                  # mutating the caller's dict changes nothing
+        tail = [x for _, x in zip(range(2), b)]
+    for x, y in zip(tail, stream[1:]):
+        assert_identical(x, y)
+
+
+def test_bad_input_is_reported_before_iteration(corpus, tmp_path):
+    with pytest.raises(ol.ConfigError, match="nomatch"):
+        ParquetSource("web", str(tmp_path / "nomatch*.parquet"), Tokenize(corpus.spm_model))
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(ol.ConfigError, match="bad.parquet"):
+        ParquetSource("bad", str(bad), Tokenize(corpus.spm_model))
+    with pytest.raises(ol.ConfigError, match="rpc"):
+        make_loader(corpus, "dp", dict(dp=2), runtime="rpc")
+    with pytest.raises(ol.ConfigError, match="rank"):
+        make_loader(corpus, "dp", dict(dp=2), rank=7)
+
+
+def test_undecodable_image_is_skipped_and_counted(corpus, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from torchdata_overlord.testing import make_image_bytes
+
+    images = [make_image_bytes(40, 30, seed=i) for i in range(6)]
+    images[2] = b"\xff\xd8 definitely not a jpeg"
+    path = tmp_path / "caps.parquet"
+    pq.write_table(pa.table({"image": images, "text": [f"caption {i}" for i in range(6)]}), path)
+    src = ParquetSource("caps", str(path), ImageText(corpus.spm_model, max_side=56), on_error="skip", epochs=1)
+    loader = SourceLoader(src, buffer_size=10)
+    assert len(loader.metadata()) == 5
+    assert len(src.skipped) == 1 and src.skipped[0]["row"] == 2 and "caps.parquet" in src.skipped[0]["file"]
+    strict = ParquetSource("caps", str(path), ImageText(corpus.spm_model, max_side=56), epochs=1, shuffle=False)
+    with pytest.raises(Exception, match=r"caps\.parquet row 2"):
+        SourceLoader(strict, buffer_size=10).metadata()

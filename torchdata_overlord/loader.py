@@ -1,0 +1,228 @@
+"""OverlordLoader: the trainer's drop-in ``DataLoader`` replacement (the paper's client).
+
+Iterating yields, per training step, what this rank receives: its microbatches as dicts of
+tensors (or metadata only, or nothing, as the plan says). A background thread prefetches
+``prefetch`` steps. ``state_dict()`` describes what the trainer has *consumed*, not what was
+prefetched, holds only plain Python types, is cheap and side-effect free; ``load_state_dict()``
+copies its input and applies it at the next ``iter()``, which continues with exactly the steps
+an uninterrupted run would have produced.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import queue
+import threading
+import warnings
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+from .errors import ConfigError, OverlordError
+from .plane.place_tree import ClientPlaceTree
+from .runtime.local import LocalJob, SourceExhausted
+
+__all__ = ["OverlordLoader"]
+
+log = logging.getLogger("torchdata_overlord")
+_END = object()
+
+
+def _pin(x):
+    if isinstance(x, torch.Tensor):
+        return x.pin_memory()
+    if isinstance(x, dict):
+        return {k: _pin(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_pin(v) for v in x]
+    return x
+
+
+class OverlordLoader:
+    """``OverlordLoader(sources, strategy, mesh, rank, global_batch, seq_len, runtime="local", ...)``.
+
+    ``rank=None`` simulates every rank of the mesh in this process: each item is then
+    ``{rank: item}``. ``runtime="local"`` runs every role in this process; the multi-process
+    ``"rpc"`` runtime is not available yet. ``timeout`` bounds every wait for the next step.
+    Each item: ``{"step": int, "delivery": "data" | "metadata" | "none", "microbatches": list | None}``
+    (see :class:`~torchdata_overlord.roles.constructor.DataConstructor` for the microbatch fields),
+    plus ``"encoder"`` (the images this rank embeds) when the plan carries an encoder module.
+    """
+
+    VERSION = 1
+    K_VERSION, K_CONFIG, K_STEP, K_JOB = "version", "config", "step", "job"
+
+    def __init__(self, sources: Iterable, strategy: Callable, mesh: ClientPlaceTree, rank: int | None,
+                 global_batch: int, seq_len: int | None, runtime: str = "local", seed: int = 0, prefetch: int = 2,
+                 pin_memory: bool = False, buffer_size: int | Mapping[str, int] | None = None,
+                 workers: int | Mapping[str, int] = 0, image_token_id: int | None = None, pad_id: int = 0,
+                 timeout: float = 300.0):
+        if runtime != "local":
+            raise ConfigError(f"runtime={runtime!r} is not available yet; use runtime='local' (every role in "
+                              f"this process)")
+        if not isinstance(mesh, ClientPlaceTree):
+            raise ConfigError(f"mesh must be a ClientPlaceTree, got {type(mesh).__name__}")
+        if rank is not None and not (isinstance(rank, int) and 0 <= rank < mesh.world_size):
+            raise ConfigError(f"rank {rank!r} is outside the mesh's {mesh.world_size} ranks ({mesh.describe()})")
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ConfigError(f"prefetch must be an integer >= 1, got {prefetch!r}")
+        if not timeout > 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
+        sources = list(sources)
+        self.mesh, self.rank, self.prefetch, self.timeout = mesh, rank, prefetch, float(timeout)
+        self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
+        if pin_memory and not self.pin_memory:
+            warnings.warn("pin_memory=True but no accelerator is available; batches are not pinned", stacklevel=2)
+        self._job = LocalJob(sources, strategy, mesh, global_batch, seq_len, seed=seed, buffer_size=buffer_size,
+                             workers=workers, image_token_id=image_token_id, pad_id=pad_id)
+        self._config = {"sources": [s.name for s in sources], "seed": seed, "global_batch": global_batch,
+                        "seq_len": seq_len, "mesh": mesh.to_dict(), "image_token_id": image_token_id}
+        self._consumed = {self.K_STEP: 0, self.K_JOB: self._job.state_dict()}
+        self._pending: dict | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue()
+        self._closed = False
+        self._lock = threading.Lock()      # the producer steps the job under it; stats() reads under it
+        self.exhausted_reason: str | None = None
+
+    # -- iteration -----------------------------------------------------------------------------
+    def __iter__(self) -> "OverlordLoader":
+        """Start (or restart) producing from the consumed position, or from a loaded state."""
+        if self._closed:
+            raise OverlordError("this OverlordLoader is closed")
+        self._stop_producer()
+        if self._pending is not None:
+            self._consumed, self._pending = self._pending, None
+        self._job.load_state_dict(copy.deepcopy(self._consumed[self.K_JOB]))
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        self._thread = threading.Thread(target=self._produce, args=(self._stop, self._queue),
+                                        name="overlord-prefetch", daemon=True)
+        self._thread.start()
+        return self
+
+    def _produce(self, stop: threading.Event, out: queue.Queue) -> None:
+        ranks = None if self.rank is None else [self.rank]
+        while not stop.is_set():
+            try:
+                with self._lock:
+                    res = self._job.step(ranks)
+                    item = (res.step, res.outputs, {self.K_STEP: res.step + 1, self.K_JOB: self._job.state_dict()})
+            except SourceExhausted as e:
+                item = (_END, str(e), None)
+            except BaseException as e:  # noqa: BLE001 (handed to the trainer thread, re-raised there)
+                item = (None, e, None)
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[0] is None or item[0] is _END:
+                return
+
+    def __next__(self) -> dict:
+        if self._thread is None:
+            iter(self)
+        waited = 0.0
+        while True:
+            try:
+                step, payload, state = self._queue.get(timeout=0.1)
+                break
+            except queue.Empty:
+                waited += 0.1
+                if self._thread is None or not self._thread.is_alive():
+                    raise StopIteration from None
+                if waited >= self.timeout:
+                    raise TimeoutError(f"no step produced within {self.timeout:.0f} s (step "
+                                       f"{self._consumed[self.K_STEP]}); raise OverlordLoader(timeout=...) for "
+                                       f"very slow sources") from None
+        if step is None:
+            self._thread = None
+            raise payload
+        if step is _END:
+            self.exhausted_reason = payload
+            log.info("OverlordLoader: %s", payload)
+            self._thread = None
+            raise StopIteration
+        self._consumed = state
+        return self._package(step, payload)
+
+    def _package(self, step: int, outputs: dict):
+        def one(rank):
+            out = outputs[rank]
+            item = {"step": step}
+            if isinstance(out, dict):      # a plan with an encoder module: backbone part + images to embed
+                item.update(out)
+            else:
+                item.update(delivery=self._delivery(rank, out), microbatches=out)
+            if self.pin_memory:
+                item = _pin(item)
+            return item
+        if self.rank is not None:
+            return one(self.rank)
+        return {r: one(r) for r in sorted(outputs)}
+
+    def _delivery(self, rank: int, out) -> str:
+        if out is None:
+            return "none"
+        return "metadata" if self.mesh.coords(rank).get("pp", 0) > 0 else "data"
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What the trainer consumed: plain types only (``torch.load(weights_only=True)`` reads it)."""
+        return {self.K_VERSION: self.VERSION, self.K_CONFIG: copy.deepcopy(self._config),
+                self.K_STEP: self._consumed[self.K_STEP], self.K_JOB: copy.deepcopy(self._consumed[self.K_JOB])}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Copy ``state``; the next ``iter()`` continues exactly after the step it describes."""
+        if not isinstance(state, Mapping) or state.get(self.K_VERSION) != self.VERSION:
+            raise ConfigError(f"not an OverlordLoader state of version {self.VERSION}: keys "
+                              f"{sorted(state) if isinstance(state, Mapping) else type(state).__name__}")
+        theirs = state[self.K_CONFIG]
+        diffs = [f"{k}: saved {theirs.get(k)!r}, now {v!r}" for k, v in self._config.items() if theirs.get(k) != v]
+        if diffs:
+            raise ConfigError("this state comes from another loader configuration: " + "; ".join(diffs))
+        self._pending = {self.K_STEP: int(state[self.K_STEP]), self.K_JOB: copy.deepcopy(dict(state[self.K_JOB]))}
+
+    # -- shutdown ------------------------------------------------------------------------------
+    def _stop_producer(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stop.set()
+        thread.join(timeout=self.timeout)
+        if thread.is_alive():
+            raise OverlordError(f"the prefetch thread did not stop within {self.timeout:.0f} s")
+
+    def close(self) -> None:
+        """Stop the prefetch thread and the loaders' worker pools; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._stop_producer()
+        finally:
+            self._job.close()
+
+    def __enter__(self) -> "OverlordLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
+
+    def stats(self) -> dict:
+        """Per-source buffer sizes, bytes, samples served and epochs, and the consumed step."""
+        with self._lock:
+            return {"step": self._consumed[self.K_STEP],
+                    "sources": {n: {"buffered": len(l), "buffer_bytes": l.buffer_bytes, "served": l.served,
+                                    "epochs_started": list(l.epochs_started), "exhausted": l.exhausted,
+                                    "skipped": len(l.source.skipped)} for n, l in self._job.loaders.items()}}

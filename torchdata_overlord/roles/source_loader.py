@@ -1,0 +1,176 @@
+"""Source Loader role (paper section 3): one source's read buffer, its metadata, and hand-over.
+
+It reads rows from its source, transforms them on a small worker pool (a slow image source gets
+more workers than a text source: the paper's "worker parallel"), keeps them in a FIFO read
+buffer, reports the buffer's metadata to the Planner (never the bytes), and hands over exactly
+the samples a plan names. As a ``torchdata.nodes.BaseNode`` its ``next()`` yields the buffered
+samples' stream, and its state is the source position of the oldest sample still buffered plus
+the samples taken out of order after it, so ``reset(state)`` rebuilds the identical buffer by
+re-reading, and no sample bytes ever go into a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from torchdata.nodes import BaseNode
+
+from ..errors import ConfigError
+from ..plane.records import BufferMeta
+from ..sources.parquet import SKIPPED
+from .constructor import sequence_length
+
+__all__ = ["SourceLoader"]
+
+log = logging.getLogger("torchdata_overlord")
+
+
+def _nbytes(record: Any) -> int:
+    if isinstance(record, torch.Tensor):
+        return record.numel() * record.element_size()
+    if isinstance(record, dict):
+        return sum(_nbytes(v) for v in record.values())
+    if isinstance(record, (list, tuple)):
+        return sum(_nbytes(v) for v in record)
+    if isinstance(record, (bytes, bytearray, str)):
+        return len(record)
+    return 8
+
+
+class SourceLoader(BaseNode[tuple]):
+    """``SourceLoader(source, buffer_size, workers=0)`` over a :class:`~torchdata_overlord.ParquetSource`.
+
+    A sample's index is ``epoch * source.num_rows + key``: unique over the whole run, so a sample
+    seen again in a later epoch is a different planned item. ``image_token_id`` makes reported
+    token counts include image placeholder tokens, as the Data Constructor packs them.
+    """
+
+    SOURCE_STATE = "source"          # source position before the oldest buffered sample
+    TAKEN = "taken"                  # indices consumed after that position (out-of-order takes)
+    EPOCH_LOG = "epochs_started"
+
+    def __init__(self, source, buffer_size: int, workers: int = 0, image_token_id: int | None = None):
+        super().__init__()
+        if not isinstance(buffer_size, int) or buffer_size < 1:
+            raise ConfigError(f"source {source.name!r}: buffer_size must be an integer >= 1, got {buffer_size!r}")
+        if not isinstance(workers, int) or workers < 0:
+            raise ConfigError(f"source {source.name!r}: workers must be an integer >= 0, got {workers!r}")
+        self.source, self.name = source, source.name
+        self.buffer_size, self.workers, self.image_token_id = buffer_size, workers, image_token_id
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"overlord-{self.name}") if workers else None
+        # index -> (record, source state before reading it, read sequence number), oldest first
+        self._buffer: OrderedDict[int, tuple[Any, dict, int]] = OrderedDict()
+        self._seq = 0
+        self._initial = {self.SOURCE_STATE: source.state_dict(), self.TAKEN: [], self.EPOCH_LOG: [source.epoch]}
+        self.served = 0
+        self.reset(None)
+
+    # -- BaseNode contract ---------------------------------------------------------------------
+    def reset(self, initial_state: dict | None = None) -> None:
+        """Back to ``initial_state`` (or to where the source stood when this loader was made)."""
+        super().reset(initial_state)
+        state = self._initial if initial_state is None else initial_state
+        self._buffer.clear()
+        self.exhausted = False
+        self.source.load_state_dict(state[self.SOURCE_STATE])
+        self._taken: dict[int, int | None] = {int(i): None for i in state[self.TAKEN]}  # index -> read seq
+        self.epochs_started = list(state[self.EPOCH_LOG])
+        self._base_state = self.source.state_dict()
+
+    def next(self) -> tuple[int, Any]:
+        """The oldest buffered sample, taken out of the buffer (stream use of the node)."""
+        self.fill()
+        if not self._buffer:
+            raise StopIteration
+        index = next(iter(self._buffer))
+        return index, self.take([index])[index]
+
+    def get_state(self) -> dict:
+        return {self.SOURCE_STATE: self._base_state, self.TAKEN: sorted(self._taken),
+                self.EPOCH_LOG: list(self.epochs_started)}
+
+    # -- role API ------------------------------------------------------------------------------
+    def fill(self) -> None:
+        """Top the buffer up to ``buffer_size`` samples (fewer only when the source is exhausted)."""
+        want = self.buffer_size - len(self._buffer)
+        if want <= 0 or self.exhausted:
+            return
+        raws = []
+        while len(raws) < want:
+            before = self.source.state_dict()
+            try:
+                key, row, where = self.source.next_raw()
+            except StopIteration:
+                self.exhausted = True
+                log.info("source %r: exhausted after epoch %d", self.name, self.source.epoch - 1)
+                break
+            if self.source.epoch != self.epochs_started[-1]:
+                self.epochs_started.append(self.source.epoch)
+                log.info("source %r: starting epoch %d with a new order", self.name, self.source.epoch)
+            index = self.source.epoch * self.source.num_rows + key
+            self._seq += 1
+            if index in self._taken:          # consumed before the last checkpoint: skip on rebuild
+                self._taken[index] = self._seq
+                continue
+            raws.append((index, row, where, before, self._seq))
+        apply = self.source.apply
+        if self._pool is not None and len(raws) > 1:
+            records = list(self._pool.map(lambda r: apply(r[1], r[2]), raws))
+        else:
+            records = [apply(r[1], r[2]) for r in raws]
+        for (index, _, _, before, seq), rec in zip(raws, records):
+            if rec is not SKIPPED:
+                self._buffer[index] = (rec, before, seq)
+        if not self._buffer:
+            self._base_state, self._taken = self.source.state_dict(), {}
+
+    def metadata(self) -> BufferMeta:
+        """What the Planner sees: keys, token counts (with image placeholders), image patch counts."""
+        self.fill()
+        idx = np.fromiter(self._buffer.keys(), np.int64, len(self._buffer))
+        recs = [entry[0] for entry in self._buffer.values()]
+        patches = [list(r.get("image_patches", ())) if isinstance(r, dict) else [] for r in recs]
+        return BufferMeta(self.name, idx, [sequence_length(r, self.image_token_id) for r in recs],
+                          num_images=[len(p) for p in patches], patches=[sum(p) for p in patches],
+                          patches_sq=[float(sum(x * x for x in p)) for p in patches])
+
+    def take(self, indices: Iterable[int]) -> dict[int, Any]:
+        """Hand over (and forget) exactly these buffered samples."""
+        out = {}
+        for i in indices:
+            i = int(i)
+            if i not in self._buffer:
+                raise ConfigError(f"source {self.name!r}: sample {i} is not in the read buffer; a plan may only "
+                                  f"name samples from the metadata this loader reported")
+            rec, _, seq = self._buffer.pop(i)
+            out[i] = rec
+            self._taken[i] = seq
+        self.served += len(out)
+        # the state moves forward to the oldest sample still buffered; takes read after it are remembered
+        if self._buffer:
+            _, before, oldest = next(iter(self._buffer.values()))
+            self._base_state = before
+            self._taken = {i: q for i, q in self._taken.items() if q is None or q > oldest}
+        else:
+            self._base_state = self.source.state_dict()
+            self._taken = {}
+        return out
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of buffered records plus the Arrow row group the source holds."""
+        return sum(_nbytes(entry[0]) for entry in self._buffer.values()) + self.source.buffer_bytes
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self.source.close()
+
+    def __len__(self) -> int:
+        return len(self._buffer)

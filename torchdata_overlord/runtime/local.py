@@ -1,0 +1,123 @@
+"""The embedded runtime: Source Loaders, Planner and Data Constructors in the caller's process.
+
+One step follows the paper's lazy workflow: the loaders report buffer metadata, the Planner
+plans, the loaders hand over (stage) exactly the planned samples, and the Data Constructors
+build what each requested client receives; loaders refill on the next metadata request. The
+plan is a pure function of the state, so every trainer rank running its own LocalJob plans the
+same step without talking to the others and builds only its own bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+
+from ..errors import BufferShortageError, ConfigError, OverlordError
+from ..plane.place_tree import ClientPlaceTree
+from ..plane.plan import Plan
+from ..plane.records import SampleKey
+from ..roles.constructor import DataConstructor
+from ..roles.planner import Planner
+from ..roles.source_loader import SourceLoader
+
+__all__ = ["LocalJob", "SourceExhausted", "StepResult"]
+
+
+class SourceExhausted(OverlordError, StopIteration):
+    """A source configured with a finite number of epochs ran out: the stream ends here."""
+
+
+@dataclass
+class StepResult:
+    step: int
+    plan: Plan
+    outputs: dict            # rank -> what that client receives (see DataConstructor.build)
+
+
+class LocalJob:
+    """All roles of one job in this process.
+
+    ``buffer_size`` (default: the global batch, enough for any mixture) and ``workers`` may be an
+    int for every source or a ``{source: int}`` dict, so a slow image source gets more workers.
+    """
+
+    PLANNER, LOADERS = "planner", "loaders"
+
+    def __init__(self, sources: Iterable, strategy: Callable, mesh: ClientPlaceTree, global_batch: int,
+                 seq_len: int | None, seed: int = 0, buffer_size: int | Mapping[str, int] | None = None,
+                 workers: int | Mapping[str, int] = 0, image_token_id: int | None = None, pad_id: int = 0,
+                 ignore_index: int = -100):
+        sources = list(sources)
+        names = [s.name for s in sources]
+        if not sources:
+            raise ConfigError("a job needs at least one source")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"source names must be unique, got {names}")
+
+        def per_source(value, name, default):
+            if isinstance(value, Mapping):
+                unknown = set(value) - set(names)
+                if unknown:
+                    raise ConfigError(f"settings name unknown sources {sorted(unknown)}; sources are {names}")
+                return value.get(name, default)
+            return default if value is None else value
+
+        self.mesh = mesh
+        self.planner = Planner(strategy, mesh, global_batch, seed=seed)
+        self.loaders = {s.name: SourceLoader(s, per_source(buffer_size, s.name, global_batch),
+                                             per_source(workers, s.name, 0), image_token_id) for s in sources}
+        self.constructor = DataConstructor(seq_len, pad_id=pad_id, ignore_index=ignore_index,
+                                           image_token_id=image_token_id)
+
+    @property
+    def step_index(self) -> int:
+        return self.planner.step
+
+    def step(self, ranks: Iterable[int] | None = None) -> StepResult:
+        """Plan and build the next step for ``ranks`` (all ranks when None)."""
+        metas = [loader.metadata() for loader in self.loaders.values()]
+        step = self.planner.step
+        try:
+            plan = self.planner.plan(metas)
+        except BufferShortageError as e:
+            done = [n for n, l in self.loaders.items() if l.exhausted]
+            if done:
+                raise SourceExhausted(f"step {step}: source(s) {done} finished their configured epochs; the stream "
+                                      f"ends here ({e})") from e
+            raise
+        samples = self._stage(plan)
+        wanted = range(self.mesh.world_size) if ranks is None else list(ranks)
+        outputs = {}
+        for b in sorted({plan.bucket_of(r) for r in wanted}):
+            built = self.constructor.build(plan, b, samples)
+            outputs.update({r: built[r] for r in wanted if r in built})
+        return StepResult(step, plan, outputs)
+
+    def _stage(self, plan: Plan) -> dict:
+        """Take every sampled record of the step out of its loader (dropped ones too: consumed)."""
+        recs = plan.records
+        samples = {}
+        for sid, name in enumerate(recs.sources):
+            idx = recs.index[recs.source_id == sid]
+            if len(idx):
+                for i, rec in self.loaders[name].take(np.asarray(idx).tolist()).items():
+                    samples[SampleKey(name, i)] = rec
+        return samples
+
+    def state_dict(self) -> dict:
+        return {self.PLANNER: self.planner.state_dict(),
+                self.LOADERS: {n: l.get_state() for n, l in self.loaders.items()}}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        theirs, ours = set(state[self.LOADERS]), set(self.loaders)
+        if theirs != ours:
+            raise ConfigError(f"state has sources {sorted(theirs)}, this job has {sorted(ours)}")
+        self.planner.load_state_dict(state[self.PLANNER])
+        for n, l in self.loaders.items():
+            l.reset(state[self.LOADERS][n])
+
+    def close(self) -> None:
+        for l in self.loaders.values():
+            l.close()
