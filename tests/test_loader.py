@@ -259,7 +259,7 @@ def test_load_state_copies_its_input(corpus):
         next(iter(b))
         state = b.state_dict()
         b.load_state_dict(state)
-        state["job"]["planner"]["step"] = 99                  # mutating the caller's dict changes nothing
+        state["config"]["seed"] = 99                          # mutating the caller's dict changes nothing
         tail = [x for _, x in zip(range(2), b)]
     for x, y in zip(tail, stream[1:]):
         assert_identical(x, y)
@@ -294,3 +294,57 @@ def test_undecodable_image_is_skipped_and_counted(corpus, tmp_path):
     strict = ParquetSource("caps", str(path), ImageText(corpus.spm_model, max_side=56), epochs=1, shuffle=False)
     with pytest.raises(Exception, match=r"caps\.parquet row 2"):
         SourceLoader(strict, buffer_size=10).metadata()
+
+
+def test_torch_distributed_checkpoint_round_trip(corpus, tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with make_loader(corpus, "vlm", dict(dp=2, tp=2)) as ref:
+        stream = [x for _, x in zip(range(5), ref)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with make_loader(corpus, "vlm", dict(dp=2, tp=2)) as a:
+            it = iter(a)
+            for _ in range(3):
+                next(it)
+            saved = a.state_dict()
+            dcp.save({"loader": a}, checkpoint_id=str(tmp_path / "ckpt"))
+        with make_loader(corpus, "vlm", dict(dp=2, tp=2)) as b:
+            dcp.load({"loader": b}, checkpoint_id=str(tmp_path / "ckpt"))   # calls b.state_dict() first
+            assert b.state_dict() == saved                                   # applied at the next iter()
+            tail = [x for _, x in zip(range(2), b)]
+            assert b.state_dict()["step"] == saved["step"] + 2
+    for x, y in zip(tail, stream[3:]):
+        assert_identical(x, y)
+
+
+def test_ctrl_c_stops_the_loader_and_its_threads(corpus, tmp_path):
+    import signal
+
+    script = f"""
+import sys, threading
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from test_loader import make_loader
+from torchdata_overlord.sim.corpus import build_demo_corpus
+corpus = build_demo_corpus({str(Path(corpus.root))!r}, scale="test", seed=0)
+try:
+    with make_loader(corpus, "dp", dict(dp=2), workers=2) as loader:
+        for i, _ in enumerate(loader):
+            if i == 0:
+                print("ready", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+print("threads", len([t for t in threading.enumerate() if t is not threading.main_thread()]), flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "interrupted" in out, err
+    assert "threads 0" in out, out + err
+    assert proc.returncode == 0

@@ -11,6 +11,7 @@ an uninterrupted run would have produced.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import queue
 import threading
@@ -86,6 +87,7 @@ class OverlordLoader:
         self._closed = False
         self._lock = threading.Lock()      # the producer steps the job under it; stats() reads under it
         self.exhausted_reason: str | None = None
+        self.last_plan = None              # the Plan of the step the trainer consumed last (stats, render)
 
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> "OverlordLoader":
@@ -109,7 +111,8 @@ class OverlordLoader:
             try:
                 with self._lock:
                     res = self._job.step(ranks)
-                    item = (res.step, res.outputs, {self.K_STEP: res.step + 1, self.K_JOB: self._job.state_dict()})
+                    item = (res.step, (res.outputs, res.plan),
+                            {self.K_STEP: res.step + 1, self.K_JOB: self._job.state_dict()})
             except SourceExhausted as e:
                 item = (_END, str(e), None)
             except BaseException as e:  # noqa: BLE001 (handed to the trainer thread, re-raised there)
@@ -148,7 +151,8 @@ class OverlordLoader:
             self._thread = None
             raise StopIteration
         self._consumed = state
-        return self._package(step, payload)
+        outputs, self.last_plan = payload
+        return self._package(step, outputs)
 
     def _package(self, step: int, outputs: dict):
         def one(rank):
@@ -172,9 +176,16 @@ class OverlordLoader:
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """What the trainer consumed: plain types only (``torch.load(weights_only=True)`` reads it)."""
+        """What the trainer consumed (or a loaded state still to apply): plain types only, so
+        ``torch.load(weights_only=True)`` reads it.
+
+        The roles' state (whose shape changes as the job runs) is one JSON string, so the dict's
+        structure is the same for every loader of a configuration: ``torch.distributed.checkpoint``
+        loads into the structure of the live loader's ``state_dict()`` and would drop anything else.
+        """
+        at = self._pending if self._pending is not None else self._consumed   # a loaded state not yet applied
         return {self.K_VERSION: self.VERSION, self.K_CONFIG: copy.deepcopy(self._config),
-                self.K_STEP: self._consumed[self.K_STEP], self.K_JOB: copy.deepcopy(self._consumed[self.K_JOB])}
+                self.K_STEP: at[self.K_STEP], self.K_JOB: json.dumps(at[self.K_JOB], sort_keys=True)}
 
     def load_state_dict(self, state: Mapping) -> None:
         """Copy ``state``; the next ``iter()`` continues exactly after the step it describes."""
@@ -185,7 +196,9 @@ class OverlordLoader:
         diffs = [f"{k}: saved {theirs.get(k)!r}, now {v!r}" for k, v in self._config.items() if theirs.get(k) != v]
         if diffs:
             raise ConfigError("this state comes from another loader configuration: " + "; ".join(diffs))
-        self._pending = {self.K_STEP: int(state[self.K_STEP]), self.K_JOB: copy.deepcopy(dict(state[self.K_JOB]))}
+        job = state[self.K_JOB]
+        job = json.loads(job) if isinstance(job, str) else copy.deepcopy(dict(job))
+        self._pending = {self.K_STEP: int(state[self.K_STEP]), self.K_JOB: job}
 
     # -- shutdown ------------------------------------------------------------------------------
     def _stop_producer(self) -> None:
