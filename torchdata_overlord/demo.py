@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 import torchdata_overlord as ol
-from torchdata_overlord.plane.dgraph import DGraph, PlanContext
 from torchdata_overlord.sim.corpus import build_demo_corpus, default_corpus_root
 
 START = {"web": 0.50, "code": 0.15, "long": 0.10, "caps": 0.25}
@@ -48,8 +47,7 @@ def make_strategy(method: str, microbatches: int, max_tokens: int, steps: int):
 
 def arrival_plan(plan: ol.Plan, microbatches: int, max_tokens: int) -> ol.Plan:
     """The same sampled batch split in arrival order (what per-rank DataLoaders would do)."""
-    g = DGraph(PlanContext(plan.mesh, plan.step), plan.records)
-    return (g.distribute(plan.axis).cost(ol.attention_flops)
+    return (ol.DGraph.from_plan(plan).distribute(plan.axis).cost(ol.attention_flops)
             .balance("arrival", microbatches=microbatches, max_tokens=max_tokens, oversize="split").plan())
 
 

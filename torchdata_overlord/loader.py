@@ -100,14 +100,17 @@ class OverlordLoader:
         self._job.load_state_dict(copy.deepcopy(self._consumed[self.K_JOB]))
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=self.prefetch)
-        self._thread = threading.Thread(target=self._produce, args=(self._stop, self._queue),
+        self._slots = threading.Semaphore(self.prefetch)   # steps the producer may build ahead of the trainer
+        self._thread = threading.Thread(target=self._produce, args=(self._stop, self._queue, self._slots),
                                         name="overlord-prefetch", daemon=True)
         self._thread.start()
         return self
 
-    def _produce(self, stop: threading.Event, out: queue.Queue) -> None:
+    def _produce(self, stop: threading.Event, out: queue.Queue, slots: threading.Semaphore) -> None:
         ranks = None if self.rank is None else [self.rank]
         while not stop.is_set():
+            if not slots.acquire(timeout=0.1):      # at most `prefetch` steps built and not yet consumed
+                continue
             try:
                 with self._lock:
                     res = self._job.step(ranks)
@@ -133,6 +136,7 @@ class OverlordLoader:
         while True:
             try:
                 step, payload, state = self._queue.get(timeout=0.1)
+                self._slots.release()
                 break
             except queue.Empty:
                 waited += 0.1

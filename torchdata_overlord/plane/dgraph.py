@@ -83,6 +83,11 @@ class DGraph:
         desc = ", ".join(f"{b.source}={len(b)}" for b in bufs)
         return cls(ctx, recs, history=(f"buffers: {desc}",))
 
+    @classmethod
+    def from_plan(cls, plan) -> "DGraph":
+        """A graph of a plan's sampled set, to try other primitives on the same batch (what-if)."""
+        return cls(PlanContext(plan.mesh, plan.step), plan.records, history=(f"from plan of step {plan.step}",))
+
     def evolve(self, note: str | None = None, **changes) -> "DGraph":
         hist = self.history + ((note,) if note else ())
         return dataclasses.replace(self, history=hist, **changes)
