@@ -164,6 +164,27 @@ def test_resume_is_bit_identical_for_every_rank(corpus, kind, mesh, k, tmp_path)
         assert_identical(a, b)
 
 
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_resume_random_mesh_strategy_and_midpoint(corpus, seed, tmp_path):
+    rng = np.random.default_rng(seed)
+    kind = str(rng.choice(["dp", "cp", "vlm"]))
+    mesh = {a: int(rng.integers(1, 3)) for a in ("pp", "dp", "cp", "tp")}
+    if kind == "cp":
+        mesh["cp"] = 2
+    k, total = int(rng.integers(0, 4)), 5
+    with make_loader(corpus, kind, mesh, seed=seed) as ref:
+        stream = [x for _, x in zip(range(total), ref)]
+    with make_loader(corpus, kind, mesh, seed=seed) as first:
+        head = [x for _, x in zip(range(k), first)]
+        torch.save(first.state_dict(), tmp_path / "s.pt")
+    with make_loader(corpus, kind, mesh, seed=seed) as second:
+        second.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+        tail = [x for _, x in zip(range(total - k), second)]
+    assert len(head + tail) == total
+    for a, b in zip(head + tail, stream):
+        assert_identical(a, b)
+
+
 def test_resume_in_a_new_process(corpus, tmp_path):
     mesh = dict(pp=1, dp=2, cp=2, tp=1)
     with make_loader(corpus, "dp", mesh) as ref:
