@@ -1,0 +1,35 @@
+"""Smoke run of the end-to-end throughput benchmark: it runs both sides and writes a complete JSON."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_e2e_throughput_quick_writes_both_sides_and_the_overhead(tmp_path):
+    out = tmp_path / "e2e_throughput.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e_throughput.py"), "--quick",
+                           "--out", str(out), "--root", str(tmp_path / "corpus")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "e2e_throughput" and data["quick"] and data["scale"] == "test"
+    assert not data["errors"]
+    runs = data["runs"]
+    for key in ("dataloader_serial", "dataloader", "overlord_serial", "overlord"):
+        assert runs[key]["samples_per_s"] > 0 and runs[key]["tokens_per_s"] > 0, key
+        assert runs[key]["samples"] == data["config"]["steps"] * data["config"]["global_batch"], key
+    assert runs["dataloader"]["workers"] == runs["overlord"]["workers"] == data["config"]["workers"] >= 1
+    assert runs["overlord"]["samples_per_step_ok"] and runs["overlord_serial"]["samples_per_step_ok"]
+    ser = runs["overlord_serial"]
+    assert ser["phases_s"]["transform"] > 0 and ser["transformed_samples"] > 0
+    v = data["verdict"]
+    assert v["overhead_fraction"] == ser["overhead_fraction"] > 0
+    assert isinstance(v["meets_target"], bool)
+    if not v["meets_target"]:
+        assert data["profile"]["top_tottime"], "a missed target comes with its profile"
+    m = data["machine"]
+    assert m["cores"] >= 1 and m["memory_gib"] > 0 and data["date"]
+    assert "overhead" in proc.stdout and "samples/s" in proc.stdout
