@@ -314,3 +314,27 @@ def test_register_balancer_rejects_duplicates_and_bad_names(zigzag):
     plan = graph(ol.ClientPlaceTree(dp=2), {"a": [5, 6, 7]}).distribute("DP").balance("zigzag_test",
                                                                                         level="bucket").plan()
     assert set(plan.entries["bucket"].tolist()) == {0}
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 120), k=st.integers(1, 8), seed=st.integers(0, 2**16),
+       cap=st.one_of(st.none(), st.integers(1, 5)))
+def test_karmarkar_karp_list_and_numpy_merges_agree(n, k, seed, cap):
+    """Few bins merge on Python lists, many on numpy: both paths must give the same assignment."""
+    import torchdata_overlord.plane.balancing.karmarkar_karp as kk
+    from torchdata_overlord.plane.balancing.problem import BinProblem
+
+    rng = np.random.default_rng(seed)
+    costs = rng.pareto(1.1, n) + rng.random(n)
+    tokens = rng.integers(1, 4, n)
+    problem = BinProblem(costs, tokens, k, cap=None if cap is None else max(cap, 3), grow=k)
+    saved = kk.SMALL_K
+    try:
+        kk.SMALL_K = 64
+        lists = kk.karmarkar_karp(problem)
+        kk.SMALL_K = 0
+        arrays = kk.karmarkar_karp(problem)
+    finally:
+        kk.SMALL_K = saved
+    assert lists.n_bins == arrays.n_bins
+    assert np.array_equal(lists.bins, arrays.bins)

@@ -63,8 +63,8 @@ class SourceLoader(BaseNode[tuple]):
         self.source, self.name = source, source.name
         self.buffer_size, self.workers, self.image_token_id = buffer_size, workers, image_token_id
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"overlord-{self.name}") if workers else None
-        # index -> (record, source state before reading it, read sequence number), oldest first
-        self._buffer: OrderedDict[int, tuple[Any, dict, int]] = OrderedDict()
+        # index -> (record, source state before reading it, read sequence number, metadata row), oldest first
+        self._buffer: OrderedDict[int, tuple[Any, dict, int, tuple]] = OrderedDict()
         self._seq = 0
         self._initial = {self.SOURCE_STATE: source.state_dict(), self.TAKEN: [], self.EPOCH_LOG: [source.epoch]}
         self.served = 0
@@ -125,19 +125,24 @@ class SourceLoader(BaseNode[tuple]):
             records = [apply(r[1], r[2]) for r in raws]
         for (index, _, _, before, seq), rec in zip(raws, records):
             if rec is not SKIPPED:
-                self._buffer[index] = (rec, before, seq)
+                self._buffer[index] = (rec, before, seq, self._meta_row(rec))
         if not self._buffer:
             self._base_state, self._taken = self.source.state_dict(), {}
+
+    def _meta_row(self, record) -> tuple[int, int, int, float]:
+        """(tokens with image placeholders, images, patches, sum of squared patches), computed once."""
+        patches = list(record.get("image_patches", ())) if isinstance(record, dict) else []
+        return (sequence_length(record, self.image_token_id), len(patches), sum(patches),
+                float(sum(x * x for x in patches)))
 
     def metadata(self) -> BufferMeta:
         """What the Planner sees: keys, token counts (with image placeholders), image patch counts."""
         self.fill()
-        idx = np.fromiter(self._buffer.keys(), np.int64, len(self._buffer))
-        recs = [entry[0] for entry in self._buffer.values()]
-        patches = [list(r.get("image_patches", ())) if isinstance(r, dict) else [] for r in recs]
-        return BufferMeta(self.name, idx, [sequence_length(r, self.image_token_id) for r in recs],
-                          num_images=[len(p) for p in patches], patches=[sum(p) for p in patches],
-                          patches_sq=[float(sum(x * x for x in p)) for p in patches])
+        n = len(self._buffer)
+        idx = np.fromiter(self._buffer.keys(), np.int64, n)
+        rows = np.array([entry[3] for entry in self._buffer.values()], np.float64).reshape(n, 4)
+        return BufferMeta(self.name, idx, rows[:, 0].astype(np.int64), num_images=rows[:, 1].astype(np.int64),
+                          patches=rows[:, 2].astype(np.int64), patches_sq=rows[:, 3])
 
     def take(self, indices: Iterable[int]) -> dict[int, Any]:
         """Hand over (and forget) exactly these buffered samples."""
@@ -147,13 +152,13 @@ class SourceLoader(BaseNode[tuple]):
             if i not in self._buffer:
                 raise ConfigError(f"source {self.name!r}: sample {i} is not in the read buffer; a plan may only "
                                   f"name samples from the metadata this loader reported")
-            rec, _, seq = self._buffer.pop(i)
+            rec, _, seq, _ = self._buffer.pop(i)
             out[i] = rec
             self._taken[i] = seq
         self.served += len(out)
         # the state moves forward to the oldest sample still buffered; takes read after it are remembered
         if self._buffer:
-            _, before, oldest = next(iter(self._buffer.values()))
+            _, before, oldest, _ = next(iter(self._buffer.values()))
             self._base_state = before
             self._taken = {i: q for i, q in self._taken.items() if q is None or q > oldest}
         else:

@@ -27,6 +27,7 @@ from .problem import BinAssignment, BinProblem, register_balancer
 __all__ = ["karmarkar_karp", "SINGLETON_LIMIT"]
 
 SINGLETON_LIMIT = 1 << 20   # items x bins up to which KK starts from singletons
+SMALL_K = 8                 # up to this many bins, merges use Python lists (see _LIST_OPS)
 
 
 def _repair(ca, ta, tb, pi, cap) -> bool:
@@ -48,6 +49,43 @@ def _repair(ca, ta, tb, pi, cap) -> bool:
     return True
 
 
+class _Ops:
+    """The few vector operations a merge needs, on numpy arrays or on plain lists."""
+
+    def __init__(self, **fns):
+        self.__dict__.update(fns)
+
+
+def _inverse_list(order):
+    inv = [0] * len(order)
+    for j, o in enumerate(order):
+        inv[o] = j
+    return inv
+
+
+def _inverse_array(order):
+    inv = np.empty(len(order), np.int64)
+    inv[order] = np.arange(len(order))
+    return inv
+
+
+# Few bins: Python lists beat numpy, whose per-call cost dominates sorting 4 or 8 numbers.
+_LIST_OPS = _Ops(vec=lambda x: np.asarray(x).tolist(), spread=lambda x: max(x) - min(x),
+                 desc=lambda x: sorted(range(len(x)), key=x.__getitem__, reverse=True),
+                 asc=lambda x: sorted(range(len(x)), key=x.__getitem__),
+                 take=lambda x, o: [x[i] for i in o], add=lambda x, y: [u + v for u, v in zip(x, y)],
+                 pad=lambda x, m: x + [0] * m, inverse=_inverse_list)
+_NUMPY_OPS = _Ops(vec=np.asarray, spread=lambda x: x.max() - x.min(),
+                  desc=lambda x: np.argsort(-x, kind="stable"), asc=lambda x: np.argsort(x, kind="stable"),
+                  take=lambda x, o: x[np.asarray(o)], add=np.add,
+                  pad=lambda x, m: np.append(x, np.zeros(m, x.dtype)), inverse=_inverse_array)
+
+
+def _small(k: int) -> bool:
+    """Whether merges of ``k`` slots run on Python lists rather than numpy arrays."""
+    return k <= SMALL_K
+
+
 @register_balancer("karmarkar_karp")
 def karmarkar_karp(p: BinProblem) -> BinAssignment:
     n, k = len(p.costs), p.n_bins
@@ -62,10 +100,11 @@ def karmarkar_karp(p: BinProblem) -> BinAssignment:
     loads, tload = p.initial()
     # Partition 0 is the anchor: the bins themselves with their initial loads. Following the
     # anchor's slots down the merge tree tells which final slot each original bin became.
-    sums = [loads] + list(cost_of[grid])
-    toks = [tload] + list(tok_of[grid])
+    ops = _LIST_OPS if _small(k) else _NUMPY_OPS
+    sums = [ops.vec(loads)] + [ops.vec(r) for r in cost_of[grid]]
+    toks = [ops.vec(tload)] + [ops.vec(r) for r in tok_of[grid]]
     width = [k] * (rows + 1)                 # slots each partition had when it was last touched
-    heap = [(-(s.max() - s.min()), i) for i, s in enumerate(sums)]
+    heap = [(-ops.spread(s_), i) for i, s_ in enumerate(sums)]
     heapq.heapify(heap)
     merges = []                              # (child_a, child_b, parent, slot maps of a and b)
     n_bins = k
@@ -75,46 +114,43 @@ def karmarkar_karp(p: BinProblem) -> BinAssignment:
         _, b = heapq.heappop(heap)
         for i in (a, b):                     # bring partitions untouched since a growth up to width
             if width[i] < n_bins:
-                sums[i] = np.append(sums[i], np.zeros(n_bins - width[i]))
-                toks[i] = np.append(toks[i], np.zeros(n_bins - width[i], np.int64))
+                sums[i], toks[i] = ops.pad(sums[i], n_bins - width[i]), ops.pad(toks[i], n_bins - width[i])
                 width[i] = n_bins
-        ord_a = np.argsort(-sums[a], kind="stable")
-        ord_b = np.argsort(sums[b], kind="stable")
+        ord_a, ord_b = ops.desc(sums[a]), ops.asc(sums[b])
         if cap is not None:
-            ta, tb = toks[a][ord_a], toks[b][ord_b]
-            pi = np.arange(n_bins)
-            if (ta + tb > cap).any() and not _repair(sums[a][ord_a], ta, tb, pi, cap):
-                if p.grow <= 0:
-                    raise ConfigError(f"karmarkar_karp cannot fit the items under max_tokens={cap} in {n_bins} bins")
-                n_bins += p.grow             # open empty bins; partitions catch up when next merged
-                for i in (a, b):
-                    heapq.heappush(heap, (-(sums[i].max() - sums[i].min()), i))
-                continue
-            ord_b = ord_b[pi]
-        new = sums[a][ord_a] + sums[b][ord_b]
+            ta, tb = ops.take(toks[a], ord_a), ops.take(toks[b], ord_b)
+            if any(x + y > cap for x, y in zip(ta, tb)):
+                pi = np.arange(n_bins)
+                if not _repair(np.asarray(ops.take(sums[a], ord_a)), np.asarray(ta), np.asarray(tb), pi, cap):
+                    if p.grow <= 0:
+                        raise ConfigError(f"karmarkar_karp cannot fit the items under max_tokens={cap} in {n_bins} bins")
+                    n_bins += p.grow         # open empty bins; partitions catch up when next merged
+                    for i in (a, b):
+                        heapq.heappush(heap, (-ops.spread(sums[i]), i))
+                    continue
+                ord_b = ops.take(ord_b, pi)
+        new = ops.add(ops.take(sums[a], ord_a), ops.take(sums[b], ord_b))
         parent = len(sums)
         sums.append(new)
-        toks.append(toks[a][ord_a] + toks[b][ord_b])
+        toks.append(ops.add(ops.take(toks[a], ord_a), ops.take(toks[b], ord_b)))
         width.append(n_bins)
-        map_a, map_b = np.empty(n_bins, np.int64), np.empty(n_bins, np.int64)
-        map_a[ord_a], map_b[ord_b] = np.arange(n_bins), np.arange(n_bins)
-        merges.append((a, b, parent, map_a, map_b))
+        merges.append((a, b, parent, ops.inverse(ord_a), ops.inverse(ord_b)))
         sums[a] = sums[b] = toks[a] = toks[b] = None      # free memory as we go
-        heapq.heappush(heap, (-(new.max() - new.min()), parent))
+        heapq.heappush(heap, (-ops.spread(new), parent))
 
     # Walk the merge tree down: final slot of every slot of every partition.
     root = heap[0][1]
-    final = {root: np.arange(n_bins)}
+    final = {root: ops.vec(np.arange(n_bins))}
     for a, b, parent, map_a, map_b in reversed(merges):
         up = final.pop(parent)
-        final[a], final[b] = up[map_a], up[map_b]
+        final[a], final[b] = ops.take(up, map_a), ops.take(up, map_b)
     bin_of_slot = np.empty(n_bins, np.int64)
-    anchor = final[0][:k]
+    anchor = np.asarray(final[0][:k], np.int64)
     bin_of_slot[anchor] = np.arange(k)                     # original bins keep their numbers
     opened = np.setdiff1d(np.arange(n_bins), anchor)
     bin_of_slot[opened] = np.arange(k, n_bins)             # opened bins are numbered after them
+    slots = np.array([final[r + 1][:k] for r in range(rows)], np.int64).reshape(rows, k)
+    members = grid < n
     bins = np.empty(n, np.int64)
-    for r in range(rows):
-        members = grid[r] < n
-        bins[grid[r][members]] = bin_of_slot[final[r + 1][:k][members]]
+    bins[grid[members]] = bin_of_slot[slots[members]]
     return BinAssignment(bins, n_bins)
