@@ -369,3 +369,47 @@ print("threads", len([t for t in threading.enumerate() if t is not threading.mai
     assert "interrupted" in out, err
     assert "threads 0" in out, out + err
     assert proc.returncode == 0
+
+
+def test_dynamic_schedule_feedback_through_the_loader_is_deterministic_and_resumable(corpus, tmp_path):
+    mesh = ol.ClientPlaceTree(dp=2)
+
+    def make():
+        schedule = ol.Dynamic({"web": 0.5, "code": 0.3, "long": 0.2}, lr=2.0)
+
+        def strategy(g):
+            return g.mix(schedule).distribute("DP").cost(ol.token_count).balance("greedy", microbatches=2).plan()
+        return ol.OverlordLoader(make_sources(corpus, names=("web", "code", "long")), strategy, mesh, rank=None,
+                                 global_batch=12, seq_len=None, prefetch=2)
+
+    def loss(step):                       # a deterministic stand-in for per-source training loss
+        return {"web": 1.0 + (step % 3), "code": 2.0, "long": 0.5 * (step % 2)}
+
+    def run(loader, steps, start=0):
+        out = []
+        for i, item in zip(range(steps), loader):
+            out.append(item)
+            loader.feedback(loss(start + i))
+        return out
+
+    with make() as ref:
+        stream = run(ref, 7)
+        weights = ref.last_plan.stats["mixture"]["weights"]      # step 6, planned after feedback from steps 0-4
+    with make() as first:
+        head = run(first, 3)
+        torch.save(first.state_dict(), tmp_path / "s.pt")
+    with make() as second:
+        second.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+        tail = run(second, 4, start=3)
+    for a, b in zip(head + tail, stream):
+        assert_identical(a, b)
+    assert abs(weights["long"] - 0.2) > 0.05                 # the feedback moved the mixture away from the start
+    with make() as plain:                                      # without feedback the stream differs
+        other = [x for _, x in zip(range(7), plain)]
+    keys = lambda items: [[mb["sample_keys"] for mb in x[0]["microbatches"]] for x in items]  # noqa: E731
+    assert keys(other) != keys(stream)
+    with ol.OverlordLoader(make_sources(corpus, names=("web",)), lambda g: g.mix({"web": 1.0}).distribute("DP").plan(),
+                           mesh, rank=None, global_batch=4, seq_len=None) as static:
+        static.feedback({"web": 1.0})
+        with pytest.raises(ol.ConfigError, match="no schedule"):
+            [x for _, x in zip(range(4), static)]

@@ -88,6 +88,7 @@ class OverlordLoader:
         self._lock = threading.Lock()      # the producer steps the job under it; stats() reads under it
         self.exhausted_reason: str | None = None
         self.last_plan = None              # the Plan of the step the trainer consumed last (stats, render)
+        self._feedback: list[list] = []    # [step, values] given by the trainer, until planned and consumed
 
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> "OverlordLoader":
@@ -97,7 +98,8 @@ class OverlordLoader:
         self._stop_producer()
         if self._pending is not None:
             self._consumed, self._pending = self._pending, None
-        self._job.load_state_dict(copy.deepcopy(self._consumed[self.K_JOB]))
+            self._feedback = copy.deepcopy(self._consumed[self.K_JOB].get(LocalJob.FEEDBACK, []))
+        self._job.load_state_dict(self._job_state(self._consumed))
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=self.prefetch)
         self._slots = threading.Semaphore(self.prefetch)   # steps the producer may build ahead of the trainer
@@ -155,6 +157,8 @@ class OverlordLoader:
             self._thread = None
             raise StopIteration
         self._consumed = state
+        planned = state[self.K_JOB][LocalJob.PLANNER]["step"]
+        self._feedback = [f for f in self._feedback if f[0] >= planned]   # the rest is in the snapshot
         outputs, self.last_plan = payload
         return self._package(step, outputs)
 
@@ -178,7 +182,28 @@ class OverlordLoader:
             return "none"
         return "metadata" if self.mesh.coords(rank).get("pp", 0) > 0 else "data"
 
+    # -- trainer feedback ----------------------------------------------------------------------
+    def feedback(self, values: Mapping[str, float]) -> None:
+        """Per-source feedback (e.g. loss) for dynamic schedules such as ``ol.Dynamic``.
+
+        Given after consuming step ``k``, it weighs the plan of step ``k + prefetch``, the first one
+        the prefetch thread cannot have built yet; so the stream depends only on the feedback
+        sequence (and ``prefetch``), never on timing. Checkpoints keep feedback not yet planned.
+        """
+        values = {str(k): float(v) for k, v in values.items()}
+        entry = [self._consumed[self.K_STEP] + self.prefetch, values]
+        with self._lock:
+            self._job.add_feedback(entry[0], values)
+        self._feedback.append(entry)
+
     # -- state ---------------------------------------------------------------------------------
+    def _job_state(self, at: dict) -> dict:
+        """The roles' state at a consumed point, with the trainer feedback not yet planned there."""
+        job = copy.deepcopy(at[self.K_JOB])
+        planned = job[LocalJob.PLANNER]["step"]
+        job[LocalJob.FEEDBACK] = [copy.deepcopy(f) for f in self._feedback if f[0] >= planned]
+        return job
+
     def state_dict(self) -> dict:
         """What the trainer consumed (or a loaded state still to apply): plain types only, so
         ``torch.load(weights_only=True)`` reads it.
@@ -187,9 +212,12 @@ class OverlordLoader:
         structure is the same for every loader of a configuration: ``torch.distributed.checkpoint``
         loads into the structure of the live loader's ``state_dict()`` and would drop anything else.
         """
-        at = self._pending if self._pending is not None else self._consumed   # a loaded state not yet applied
+        if self._pending is not None:                 # a loaded state not yet applied
+            step, job = self._pending[self.K_STEP], self._pending[self.K_JOB]
+        else:
+            step, job = self._consumed[self.K_STEP], self._job_state(self._consumed)
         return {self.K_VERSION: self.VERSION, self.K_CONFIG: copy.deepcopy(self._config),
-                self.K_STEP: at[self.K_STEP], self.K_JOB: json.dumps(at[self.K_JOB], sort_keys=True)}
+                self.K_STEP: step, self.K_JOB: json.dumps(job, sort_keys=True)}
 
     def load_state_dict(self, state: Mapping) -> None:
         """Copy ``state``; the next ``iter()`` continues exactly after the step it describes."""

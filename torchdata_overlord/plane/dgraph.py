@@ -30,7 +30,8 @@ class PlanContext:
 
     ``state`` maps a primitive's key (``"mix"``, ``"mix#1"`` for a second mix...) to its plain
     state; the Planner persists it between steps and in its ``state_dict``. ``restoring`` lists
-    keys whose live objects (e.g. a dynamic schedule) must be reset from ``state`` once.
+    keys whose live objects (e.g. a dynamic schedule) must be reset from ``state`` once;
+    ``feedback`` is the trainer feedback (e.g. per-source loss) that dynamic schedules take this step.
     """
 
     mesh: ClientPlaceTree
@@ -40,6 +41,8 @@ class PlanContext:
     state: dict = field(default_factory=dict)
     restoring: set = field(default_factory=set)
     live: dict = field(default_factory=dict)
+    feedback: list = field(default_factory=list)     # trainer feedback for this step's dynamic schedules
+    feedback_used: bool = False
     _counts: dict = field(default_factory=dict)
 
     def key(self, kind: str) -> str:

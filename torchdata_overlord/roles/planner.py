@@ -44,15 +44,23 @@ class Planner:
         self._restoring: set = set()
         self._live: dict = {}
 
-    def plan(self, buffers: Sequence[BufferMeta] | Mapping[str, BufferMeta]) -> Plan:
-        """Plan the current step from the buffers' metadata and advance the step counter."""
+    def plan(self, buffers: Sequence[BufferMeta] | Mapping[str, BufferMeta],
+             feedback: Sequence[Mapping[str, float]] = ()) -> Plan:
+        """Plan the current step from the buffers' metadata and advance the step counter.
+
+        ``feedback`` (e.g. per-source loss) is given to the strategy's dynamic schedules
+        (``Schedule.update``) before they weigh this step, so it is an input of the plan.
+        """
         bufs = list(buffers.values()) if isinstance(buffers, Mapping) else list(buffers)
         if self.summary_buffer is not None:
             bufs = [self.summary_buffer(b) for b in bufs]
         # primitives write into a copy: a strategy that raises leaves the planner unchanged
         ctx = PlanContext(self.mesh, self.step, self.seed, self.global_batch, copy.deepcopy(self._state),
-                          set(self._restoring), {})
+                          set(self._restoring), {}, [dict(f) for f in feedback])
         out = self.strategy(DGraph.from_buffers(bufs, ctx))
+        if ctx.feedback and not ctx.feedback_used:
+            raise ConfigError(f"step {self.step}: feedback was given but no schedule of the strategy takes it; "
+                              f"mix with a dynamic schedule such as ol.Dynamic")
         plan = out.plan() if isinstance(out, DGraph) else out
         if not isinstance(plan, Plan):
             raise ConfigError(f"strategy must return a Plan or a DGraph, got {type(out).__name__}")

@@ -43,7 +43,7 @@ class LocalJob:
     int for every source or a ``{source: int}`` dict, so a slow image source gets more workers.
     """
 
-    PLANNER, LOADERS = "planner", "loaders"
+    PLANNER, LOADERS, FEEDBACK = "planner", "loaders", "feedback"
 
     def __init__(self, sources: Iterable, strategy: Callable, mesh: ClientPlaceTree, global_batch: int,
                  seq_len: int | None, seed: int = 0, buffer_size: int | Mapping[str, int] | None = None,
@@ -70,6 +70,13 @@ class LocalJob:
                                              per_source(workers, s.name, 0), image_token_id) for s in sources}
         self.constructor = DataConstructor(seq_len, pad_id=pad_id, ignore_index=ignore_index,
                                            image_token_id=image_token_id)
+        self.feedback: list[list] = []      # [step, {source: value}] waiting for the plan of that step
+
+    def add_feedback(self, step: int, values: Mapping[str, float]) -> None:
+        """Queue trainer feedback for the dynamic schedules of step ``step`` (not yet planned)."""
+        if step < self.planner.step:
+            raise ConfigError(f"feedback for step {step} comes too late: step {self.planner.step} is next to plan")
+        self.feedback.append([int(step), {str(k): float(v) for k, v in values.items()}])
 
     @property
     def step_index(self) -> int:
@@ -79,14 +86,16 @@ class LocalJob:
         """Plan and build the next step for ``ranks`` (all ranks when None)."""
         metas = [loader.metadata() for loader in self.loaders.values()]
         step = self.planner.step
+        due = [v for s, v in self.feedback if s == step]
         try:
-            plan = self.planner.plan(metas)
+            plan = self.planner.plan(metas, feedback=due)
         except BufferShortageError as e:
             done = [n for n, l in self.loaders.items() if l.exhausted]
             if done:
                 raise SourceExhausted(f"step {step}: source(s) {done} finished their configured epochs; the stream "
                                       f"ends here ({e})") from e
             raise
+        self.feedback = [f for f in self.feedback if f[0] > step]
         samples = self._stage(plan)
         wanted = range(self.mesh.world_size) if ranks is None else list(ranks)
         outputs = {}
@@ -108,13 +117,15 @@ class LocalJob:
 
     def state_dict(self) -> dict:
         return {self.PLANNER: self.planner.state_dict(),
-                self.LOADERS: {n: l.get_state() for n, l in self.loaders.items()}}
+                self.LOADERS: {n: l.get_state() for n, l in self.loaders.items()},
+                self.FEEDBACK: [[s, dict(v)] for s, v in self.feedback]}
 
     def load_state_dict(self, state: Mapping) -> None:
         theirs, ours = set(state[self.LOADERS]), set(self.loaders)
         if theirs != ours:
             raise ConfigError(f"state has sources {sorted(theirs)}, this job has {sorted(ours)}")
         self.planner.load_state_dict(state[self.PLANNER])
+        self.feedback = [[int(s), dict(v)] for s, v in state.get(self.FEEDBACK, [])]
         for n, l in self.loaders.items():
             l.reset(state[self.LOADERS][n])
 

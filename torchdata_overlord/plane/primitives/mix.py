@@ -30,6 +30,10 @@ class Mix:
         if key in ctx.restoring and self.STATE_SCHEDULE in saved:
             self.schedule.load_state_dict(saved[self.STATE_SCHEDULE])
             ctx.restoring.discard(key)
+        if ctx.feedback and hasattr(self.schedule, "update"):
+            for values in ctx.feedback:          # applied inside plan(): a pure input of this step
+                self.schedule.update(values)
+            ctx.feedback_used = True
         weights = validate_weights(self.schedule.weights(ctx.step), f"mix schedule at step {ctx.step}")
         # this step's names too: a callable schedule may name a source first at a later step
         unknown = (self.schedule.sources() | set(weights)) - set(g.sources)
