@@ -143,7 +143,8 @@ class Dynamic(Schedule):
     """Weights updated from per-source feedback (e.g. loss): ``w_i <- w_i * exp(lr * feedback_i)``.
 
     Sources with higher feedback get more weight; ``floor`` keeps every initially positive source
-    sampled. Call :meth:`update` between steps (the loader forwards trainer feedback to it).
+    sampled. ``OverlordLoader.feedback(values)`` (or ``Planner.plan(..., feedback=[values])``)
+    hands trainer feedback to :meth:`update` inside the plan of a fixed step, so it is replayable.
     Deterministic: the same feedback sequence gives the same weights; the state round-trips.
     """
 
