@@ -1,0 +1,225 @@
+"""The actor transport: InProcessTransport and RpcTransport give the same results; ordering,
+concurrency, timeouts, remote exceptions, dead workers, loopback-only sockets, clean stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import multiprocessing as mp
+
+import pytest
+import torch
+
+import torchdata_overlord as ol
+from torchdata_overlord.runtime.transport import ActorDied, CallTimeout, InProcessTransport
+from torchdata_overlord.sim import SimulatedLoaders, SyntheticSource
+
+SOURCES = [SyntheticSource("web", "web"), SyntheticSource("code", "code"), SyntheticSource("caps", "image_text")]
+MESH = dict(pp=1, dp=2, cp=1, tp=2)
+
+
+class Strategy:
+    """A picklable strategy (module-level class, importable in the workers)."""
+
+    def __call__(self, g):
+        return (g.mix(ol.Constant({"web": 0.5, "code": 0.3, "caps": 0.2})).distribute("DP").cost(ol.attention_flops)
+                .balance("karmarkar_karp", microbatches=2).broadcast_at("TP"))
+
+
+def make_planner():
+    return ol.Planner(Strategy(), ol.ClientPlaceTree(**MESH), 16, seed=7)
+
+
+class Counter:
+    def __init__(self, start=0):
+        self.value, self.log = start, []
+
+    def add(self, k):
+        self.log.append(k)
+        self.value += k
+        return self.value
+
+    def echo(self, x):
+        return x
+
+    def history(self):
+        return list(self.log)
+
+    def fail(self, msg):
+        raise ValueError(msg)
+
+    def wait(self, event, timeout):
+        return event.wait(timeout)
+
+    def block(self, seconds):
+        time.sleep(seconds)
+        return seconds
+
+
+def _plans(transport, name, steps=3):
+    transport.start_actor(name, make_planner)
+    loaders, out = SimulatedLoaders(SOURCES, 64), []
+    for _ in range(steps):
+        plan = transport.call(name, "plan", loaders.buffers(), timeout=30).result(60)
+        loaders.consume(plan)
+        out.append(plan.to_dict())
+    return out
+
+
+def _children(pid):
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            if ppid == pid:
+                out.append(int(d))
+    return out
+
+
+def _descendants(exclude=()):
+    todo, seen = [os.getpid()], []
+    while todo:
+        for c in _children(todo.pop()):
+            if c not in exclude:
+                seen.append(c)
+                todo.append(c)
+    return seen
+
+
+def _helper_pids():
+    """multiprocessing's own long-lived helpers (fork server, resource tracker), not ours to reap."""
+    from multiprocessing import forkserver, resource_tracker
+    return {p for p in (getattr(forkserver._forkserver, "_forkserver_pid", None),
+                        getattr(resource_tracker._resource_tracker, "_pid", None)) if p}
+
+
+# ------------------------------------------------------------------------------------ in-process
+
+def test_inprocess_order_results_and_errors():
+    with InProcessTransport() as t:
+        t.start_actor("c", Counter, 10)
+        futs = [t.call("c", "add", k, timeout=10) for k in range(50)]
+        assert [f.result(10) for f in futs] == [10 + sum(range(k + 1)) for k in range(50)]
+        assert t.call("c", "history", timeout=10).result(10) == list(range(50))
+        with pytest.raises(ValueError, match=r"boom.*c\.fail\(\)"):
+            t.call("c", "fail", "boom", timeout=10).result(10)
+        assert t.is_alive("c")
+    assert not t.is_alive("c")
+
+
+def test_inprocess_actors_run_concurrently_and_time_out():
+    barrier = threading.Barrier(2, timeout=10)
+    release = threading.Event()
+    t = InProcessTransport(stop_timeout=5)
+    try:
+        t.start_actor("a", Counter)
+        t.start_actor("b", Counter)
+        # both calls must be inside the barrier at once: only possible if the actors run concurrently
+        fa = t.call("a", "wait", barrier, None, timeout=10)
+        fb = t.call("b", "wait", barrier, None, timeout=10)
+        fa.result(10), fb.result(10)
+        slow = t.call("a", "wait", release, 60, timeout=0.2)
+        with pytest.raises(CallTimeout, match=r"a\.wait\(\).*0\.2"):
+            slow.result(10)
+    finally:
+        release.set()
+        t.stop()
+    assert not [th for th in threading.enumerate() if th.name.startswith("overlord-") and th.is_alive()]
+
+
+def test_inprocess_planner_matches_direct_planner():
+    planner, loaders, direct = make_planner(), SimulatedLoaders(SOURCES, 64), []
+    for _ in range(3):
+        plan = planner.plan(loaders.buffers())
+        loaders.consume(plan)
+        direct.append(plan.to_dict())
+    with InProcessTransport() as t:
+        assert _plans(t, "planner") == direct
+
+
+# ------------------------------------------------------------------------------------ rpc
+
+@pytest.fixture(scope="module")
+def rpc_transport():
+    from torchdata_overlord.runtime.rpc_transport import RpcTransport
+
+    threads_before = set(threading.enumerate())
+    t = RpcTransport(n_workers=2, startup_timeout=60, rpc_timeout=30, stop_timeout=10)
+    yield t
+    start = time.monotonic()
+    t.stop()
+    assert time.monotonic() - start < t.stop_timeout + 5
+    t.stop()                                              # idempotent
+    assert not mp.active_children()
+    assert _descendants(exclude=_helper_pids()) == []
+    left = [th for th in set(threading.enumerate()) - threads_before if th.is_alive() and not th.daemon]
+    assert left == []
+
+
+@pytest.mark.slow
+def test_rpc_same_results_as_inprocess(rpc_transport):
+    with InProcessTransport() as local:
+        expected = _plans(local, "planner")
+    assert _plans(rpc_transport, "planner") == expected
+    rpc_transport.start_actor("echo", Counter, worker=1)
+    x = torch.randn(257, 33, dtype=torch.float64)
+    y = rpc_transport.call("echo", "echo", {"x": x, "i": torch.arange(5)}, timeout=10).result(20)
+    assert torch.equal(y["x"], x) and y["x"].dtype == torch.float64 and torch.equal(y["i"], torch.arange(5))
+
+
+@pytest.mark.slow
+def test_rpc_order_errors_timeout(rpc_transport):
+    rpc_transport.start_actor("ctr", Counter, 5, worker=0)
+    futs = [rpc_transport.call("ctr", "add", k, timeout=20) for k in range(40)]
+    assert [f.result(30) for f in futs] == [5 + sum(range(k + 1)) for k in range(40)]
+    assert rpc_transport.call("ctr", "history", timeout=20).result(30) == list(range(40))
+    with pytest.raises(ValueError, match=r"boom.*ctr\.fail\(\)"):
+        rpc_transport.call("ctr", "fail", "boom", timeout=20).result(30)
+    start = time.monotonic()
+    with pytest.raises(CallTimeout, match=r"ctr\.block\(\).*0\.5"):
+        rpc_transport.call("ctr", "block", 3.0, timeout=0.5).result(30)
+    assert time.monotonic() - start < 2.5
+    # the actor is still usable (its queue drains once the slow call returns)
+    assert rpc_transport.call("ctr", "echo", 1, timeout=20).result(30) == 1
+
+
+@pytest.mark.slow
+def test_rpc_listens_on_loopback_only(rpc_transport):
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:       # LISTEN
+                    listening.append((table, cols[1].split(":")[0]))
+    assert listening, "the rpc agent should listen somewhere"
+    assert all(t == "/proc/net/tcp" and addr == "0100007F" for t, addr in listening), listening
+
+
+@pytest.mark.slow
+def test_rpc_zz_killed_worker_fails_fast(rpc_transport):
+    """Runs last in this module: it kills a worker of the shared transport."""
+    rpc_transport.start_actor("victim", Counter, worker=0)
+    rpc_transport.start_actor("survivor", Counter, worker=1)
+    assert rpc_transport.call("victim", "add", 1, timeout=10).result(20) == 1
+    os.kill(rpc_transport.worker_pids[0], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(ActorDied, match="victim"):
+        rpc_transport.call("victim", "add", 1, timeout=25).result(30)
+    assert time.monotonic() - start < 5
+    assert not rpc_transport.is_alive("victim") and rpc_transport.is_alive("survivor")
+    assert rpc_transport.call("survivor", "add", 2, timeout=10).result(20) == 2

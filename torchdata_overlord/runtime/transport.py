@@ -1,0 +1,229 @@
+"""The narrow actor transport the runtimes use: start a named actor, call a method on it, get a future.
+
+An *actor* is an object (a role: Planner, Source Loader, Data Constructor) living somewhere and
+addressed by name; a *transport* decides where. ``InProcessTransport`` keeps actors in this process
+(one thread each); ``RpcTransport`` (``rpc_transport.py``) keeps them in worker processes reached
+with ``torch.distributed.rpc``. Any other engine can back the same four methods.
+
+Contract, for every transport:
+
+* ``call`` returns a :class:`concurrent.futures.Future` (chosen over ``torch.futures.Future`` so
+  callers get ``result(timeout)``, ``exception()`` and ``concurrent.futures.wait`` without torch).
+* Calls to one actor run one at a time, in the order ``call`` was invoked; calls to different
+  actors may run concurrently.
+* The future fails with :class:`CallTimeout` when no answer came within ``timeout`` seconds (the
+  method may still be running: it is not interrupted), with :class:`ActorDied` when the actor's
+  process is gone, and with the method's own exception (its type preserved where it can be
+  rebuilt, and a note naming the actor and method) when the method raised.
+* ``stop()`` is idempotent and bounded by timeouts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import heapq
+import itertools
+import queue
+import threading
+from abc import ABC, abstractmethod
+from typing import Callable
+
+from ..errors import ConfigError, OverlordError
+
+__all__ = ["Transport", "InProcessTransport", "ActorDied", "CallTimeout", "ActorError", "TransportClosed"]
+
+
+class ActorDied(OverlordError, RuntimeError):
+    """The process hosting an actor died; every call to it fails with this."""
+
+
+class CallTimeout(OverlordError, TimeoutError):
+    """A call got no answer within its timeout (the method may still be running)."""
+
+
+class ActorError(OverlordError, RuntimeError):
+    """An actor's method raised an exception that could not be rebuilt in the caller."""
+
+
+class TransportClosed(OverlordError, RuntimeError):
+    """The transport was stopped (or never started); it takes no more actors or calls."""
+
+
+class Transport(ABC):
+    """Start named actors and call their methods; see the module docstring for the contract."""
+
+    @abstractmethod
+    def start_actor(self, name: str, factory: Callable[..., object], *args, **kwargs) -> None:
+        """Create ``factory(*args, **kwargs)`` as actor ``name`` (waits until it exists)."""
+
+    @abstractmethod
+    def call(self, name: str, method: str, *args, timeout: float, **kwargs) -> cf.Future:
+        """Call ``actor.method(*args, **kwargs)``; the future's result is the return value."""
+
+    @abstractmethod
+    def is_alive(self, name: str) -> bool:
+        """Whether actor ``name`` exists and its host is alive."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Stop every actor; idempotent, never hangs."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def check_timeout(timeout) -> float:
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+        raise ConfigError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    return float(timeout)
+
+
+def settle(fut: cf.Future, result=None, exc: BaseException | None = None) -> bool:
+    """Complete ``fut`` unless it is already done (a timeout won the race); True if this call did."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+        return True
+    except cf.InvalidStateError:
+        return False
+
+
+def name_exception(exc: BaseException, actor: str, method: str) -> BaseException:
+    """The method's exception, its type kept, with the actor and method in its message where the
+    type can be rebuilt from one string, and always in a note."""
+    where = f"raised by {actor}.{method}()"
+    rebuilt = exc
+    if len(exc.args) == 1 and isinstance(exc.args[0], str) and where not in exc.args[0]:
+        try:
+            candidate = type(exc)(f"{exc.args[0]} [{where}]")
+            if type(candidate) is type(exc) and candidate.args == (f"{exc.args[0]} [{where}]",):
+                candidate.__cause__, candidate.__traceback__ = exc.__cause__, exc.__traceback__
+                candidate.__notes__ = list(getattr(exc, "__notes__", []))
+                rebuilt = candidate
+        except Exception:
+            pass
+    if where not in str(rebuilt):
+        rebuilt.add_note(where)
+    return rebuilt
+
+
+class Deadlines:
+    """One daemon thread that fails futures with ``CallTimeout`` when their deadline passes."""
+
+    def __init__(self, name: str):
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def add(self, fut: cf.Future, timeout: float, make_exc: Callable[[], BaseException]) -> None:
+        import time
+        with self._cv:
+            heapq.heappush(self._heap, (time.monotonic() + timeout, next(self._seq), fut, make_exc))
+            self._cv.notify()
+
+    def _run(self) -> None:
+        import time
+        with self._cv:
+            while not self._closed:
+                now = time.monotonic()
+                while self._heap and (self._heap[0][0] <= now or self._heap[0][2].done()):
+                    _, _, fut, make_exc = heapq.heappop(self._heap)
+                    if not fut.done():
+                        settle(fut, exc=make_exc())
+                self._cv.wait(None if not self._heap else max(0.0, self._heap[0][0] - now))
+
+    def close(self, join_timeout: float = 1.0) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(join_timeout)
+
+
+class _ActorThread:
+    """One actor in this process: a thread running its calls in order."""
+
+    _STOP = object()
+
+    def __init__(self, name: str, obj: object):
+        self.name, self.obj = name, obj
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"overlord-actor-{name}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is self._STOP:
+                return
+            fut, method, args, kwargs = item
+            if fut.cancelled():
+                continue
+            try:
+                result = getattr(self.obj, method)(*args, **kwargs)
+            except BaseException as e:       # noqa: BLE001 - delivered to the caller
+                settle(fut, exc=name_exception(e, self.name, method))
+            else:
+                settle(fut, result)
+
+
+class InProcessTransport(Transport):
+    """Actors are objects in this process; each runs its calls on its own (daemon) thread.
+
+    Arguments and results are passed by reference, not copied. ``stop()`` asks each actor thread
+    to finish after its queued calls and waits up to ``stop_timeout`` seconds in all.
+    """
+
+    def __init__(self, stop_timeout: float = 5.0):
+        self.stop_timeout = check_timeout(stop_timeout)
+        self._actors: dict[str, _ActorThread] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._deadlines = Deadlines("overlord-inprocess-deadlines")
+
+    def start_actor(self, name: str, factory: Callable[..., object], *args, **kwargs) -> None:
+        with self._lock:
+            if self._closed:
+                raise TransportClosed(f"cannot start actor {name!r}: the transport is stopped")
+            if name in self._actors:
+                raise ConfigError(f"an actor named {name!r} already exists")
+            self._actors[name] = _ActorThread(name, factory(*args, **kwargs))
+
+    def call(self, name: str, method: str, *args, timeout: float, **kwargs) -> cf.Future:
+        timeout = check_timeout(timeout)
+        with self._lock:
+            if self._closed:
+                raise TransportClosed(f"cannot call {name}.{method}(): the transport is stopped")
+            actor = self._actors.get(name)
+            if actor is None:
+                raise ConfigError(f"no actor named {name!r}; actors: {sorted(self._actors)}")
+            fut: cf.Future = cf.Future()
+            actor.queue.put((fut, method, args, kwargs))
+        self._deadlines.add(fut, timeout, lambda: CallTimeout(
+            f"{name}.{method}() got no answer within its timeout of {timeout:g} s"))
+        return fut
+
+    def is_alive(self, name: str) -> bool:
+        actor = self._actors.get(name)
+        return actor is not None and not self._closed and actor.thread.is_alive()
+
+    def stop(self) -> None:
+        import time
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            actors = list(self._actors.values())
+        for a in actors:
+            a.queue.put(_ActorThread._STOP)
+        deadline = time.monotonic() + self.stop_timeout
+        for a in actors:
+            a.thread.join(max(0.0, deadline - time.monotonic()))
+        self._deadlines.close()
