@@ -293,8 +293,8 @@ def test_bad_input_is_reported_before_iteration(corpus, tmp_path):
     bad.write_bytes(b"PAR1 this is not parquet")
     with pytest.raises(ol.ConfigError, match="bad.parquet"):
         ParquetSource("bad", str(bad), Tokenize(corpus.spm_model))
-    with pytest.raises(ol.ConfigError, match="rpc"):
-        make_loader(corpus, "dp", dict(dp=2), runtime="rpc")
+    with pytest.raises(ol.ConfigError, match="grpc"):
+        make_loader(corpus, "dp", dict(dp=2), runtime="grpc")
     with pytest.raises(ol.ConfigError, match="rank"):
         make_loader(corpus, "dp", dict(dp=2), rank=7)
 

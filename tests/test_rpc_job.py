@@ -234,3 +234,34 @@ def test_rpc_job_equals_local_job_and_resumes_across_runtimes(corpus, reference,
     # a clean exit: no children left after close, and no worker process outlives the subprocess
     assert out["children"] == []
     assert len(out["pids"]) == 2 and not [p for p in out["pids"] + out["helpers"] if _alive(p)]
+
+
+@pytest.mark.slow
+def test_overlord_loader_rpc_runtime_equals_local(corpus, tmp_path):
+    """The facade: OverlordLoader(runtime="rpc") yields the batches of runtime="local", every rank."""
+
+    def loader(runtime):
+        return ol.OverlordLoader(make_sources(corpus), vlm_strategy, make_mesh(), rank=None, global_batch=8,
+                                 seq_len=None, image_token_id=corpus.image_token_id, runtime=runtime, **(
+                                     {"n_workers": 2} if runtime == "rpc" else {}))
+
+    with loader("local") as ref:
+        expected = [x for _, x in zip(range(3), ref)]
+    out = tmp_path / "rpc.pt"
+    script = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+import torchdata_overlord as ol
+from torchdata_overlord.sim.corpus import build_demo_corpus
+from test_rpc_job import make_sources, vlm_strategy, make_mesh
+corpus = build_demo_corpus({str(corpus.root)!r}, scale="test", seed=0)
+with ol.OverlordLoader(make_sources(corpus), vlm_strategy, make_mesh(), rank=None, global_batch=8, seq_len=None,
+                       image_token_id=corpus.image_token_id, runtime="rpc", n_workers=2) as loader:
+    torch.save([x for _, x in zip(range(3), loader)], {str(out)!r})
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(out, weights_only=False)
+    assert len(got) == 3
+    for a, b in zip(got, expected):
+        assert_identical(a, b)

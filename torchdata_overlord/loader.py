@@ -23,11 +23,13 @@ import torch
 from .errors import ConfigError, OverlordError
 from .plane.place_tree import ClientPlaceTree
 from .runtime.local import LocalJob, SourceExhausted
+from .runtime.rpc_job import RpcJob
 
 __all__ = ["OverlordLoader"]
 
 log = logging.getLogger("torchdata_overlord")
 _END = object()
+RUNTIMES = {"local": LocalJob, "rpc": RpcJob}
 
 
 def _pin(x):
@@ -44,8 +46,11 @@ class OverlordLoader:
     """``OverlordLoader(sources, strategy, mesh, rank, global_batch, seq_len, runtime="local", ...)``.
 
     ``rank=None`` simulates every rank of the mesh in this process: each item is then
-    ``{rank: item}``. ``runtime="local"`` runs every role in this process; the multi-process
-    ``"rpc"`` runtime is not available yet. ``timeout`` bounds every wait for the next step.
+    ``{rank: item}``. ``runtime="local"`` runs every role in this process; ``runtime="rpc"`` runs
+    each Source Loader, the Planner and the Data Constructor as actors in ``n_workers`` worker
+    processes over ``torch.distributed.rpc`` on loopback (the strategy must then be picklable,
+    e.g. a module-level function; RPC can be started once per process). Both yield the same
+    batches. ``timeout`` bounds every wait for the next step.
     Each item: ``{"step": int, "delivery": "data" | "metadata" | "none", "microbatches": list | None}``
     (see :class:`~torchdata_overlord.roles.constructor.DataConstructor` for the microbatch fields),
     plus ``"encoder"`` (the images this rank embeds) when the plan carries an encoder module.
@@ -58,10 +63,10 @@ class OverlordLoader:
                  global_batch: int, seq_len: int | None, runtime: str = "local", seed: int = 0, prefetch: int = 2,
                  pin_memory: bool = False, buffer_size: int | Mapping[str, int] | None = None,
                  workers: int | Mapping[str, int] = 0, image_token_id: int | None = None, pad_id: int = 0,
-                 timeout: float = 300.0):
-        if runtime != "local":
-            raise ConfigError(f"runtime={runtime!r} is not available yet; use runtime='local' (every role in "
-                              f"this process)")
+                 timeout: float = 300.0, n_workers: int = 2):
+        if runtime not in RUNTIMES:
+            raise ConfigError(f"unknown runtime {runtime!r}; choose 'local' (every role in this process) or 'rpc' "
+                              f"(roles in worker processes over torch.distributed.rpc)")
         if not isinstance(mesh, ClientPlaceTree):
             raise ConfigError(f"mesh must be a ClientPlaceTree, got {type(mesh).__name__}")
         if rank is not None and not (isinstance(rank, int) and 0 <= rank < mesh.world_size):
@@ -75,8 +80,10 @@ class OverlordLoader:
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
         if pin_memory and not self.pin_memory:
             warnings.warn("pin_memory=True but no accelerator is available; batches are not pinned", stacklevel=2)
-        self._job = LocalJob(sources, strategy, mesh, global_batch, seq_len, seed=seed, buffer_size=buffer_size,
-                             workers=workers, image_token_id=image_token_id, pad_id=pad_id)
+        extra = {"n_workers": n_workers, "timeout": min(timeout, 60.0)} if runtime == "rpc" else {}
+        self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,
+                                      buffer_size=buffer_size, workers=workers, image_token_id=image_token_id,
+                                      pad_id=pad_id, **extra)
         self._config = {"sources": [s.name for s in sources], "seed": seed, "global_batch": global_batch,
                         "seq_len": seq_len, "mesh": mesh.to_dict(), "image_token_id": image_token_id}
         self._consumed = {self.K_STEP: 0, self.K_JOB: self._job.state_dict()}
