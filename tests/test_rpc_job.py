@@ -265,3 +265,55 @@ with ol.OverlordLoader(make_sources(corpus), vlm_strategy, make_mesh(), rank=Non
     assert len(got) == 3
     for a, b in zip(got, expected):
         assert_identical(a, b)
+
+
+@pytest.mark.slow
+def test_rpc_roles_own_their_files_and_report_processes(corpus, tmp_path):
+    """Each source's Parquet files are opened by its own loader process only, never by the trainer."""
+    out = tmp_path / "fds.json"
+    script = f"""
+import json, os, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+import torchdata_overlord as ol
+from torchdata_overlord.sim.corpus import build_demo_corpus
+from test_rpc_job import make_sources, vlm_strategy, make_mesh
+
+def open_files(pid):
+    found = set()
+    for fd in os.listdir(f"/proc/{{pid}}/fd"):
+        try:
+            target = os.readlink(f"/proc/{{pid}}/fd/{{fd}}")
+        except OSError:
+            continue
+        if target.endswith(".parquet"):
+            found.add(target)
+    return sorted(found)
+
+corpus = build_demo_corpus({str(corpus.root)!r}, scale="test", seed=0)
+with ol.OverlordLoader(make_sources(corpus), vlm_strategy, make_mesh(), rank=0, global_batch=8, seq_len=None,
+                       image_token_id=corpus.image_token_id, runtime="rpc", n_workers=2, prefetch=1) as loader:
+    next(iter(loader))
+    stats = loader.stats()
+    report = {{"master": os.getpid(), "roles": stats["roles"],
+               "open": {{str(pid): open_files(pid) for pid in set(stats["roles"].values()) | {{os.getpid()}}}},
+               "processes": {{str(k): v for k, v in stats["processes"].items()}}, "sources": stats["sources"]}}
+json.dump(report, open({str(out)!r}, "w"))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    rep = json.loads(out.read_text())
+    master = rep["master"]
+    assert rep["open"][str(master)] == []                          # the trainer opens no data file
+    for name in ("web", "caps"):
+        pid = rep["roles"][f"loader:{name}"]
+        assert pid != master
+        mine = [f for f in rep["open"][str(pid)] if f"/{name}/" in f]
+        assert mine, f"loader:{name} (pid {pid}) holds none of its files open"
+        for other, files in rep["open"].items():
+            if int(other) != pid:
+                assert not [f for f in files if f"/{name}/" in f], f"{name} files open in pid {other}"
+    for pid, mem in rep["processes"].items():
+        assert mem["rss_mib"] and mem["rss_mib"] > 0 and mem["pss_mib"] and mem["pss_mib"] > 0
+    assert rep["sources"]["web"]["served"] > 0

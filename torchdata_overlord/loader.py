@@ -272,9 +272,7 @@ class OverlordLoader:
             pass
 
     def stats(self) -> dict:
-        """Per-source buffer sizes, bytes, samples served and epochs, and the consumed step."""
+        """The consumed step; per source: buffer size and bytes, samples served, epochs, skips;
+        per role: its process id; per process: RSS and PSS in MiB (from /proc)."""
         with self._lock:
-            return {"step": self._consumed[self.K_STEP],
-                    "sources": {n: {"buffered": len(l), "buffer_bytes": l.buffer_bytes, "served": l.served,
-                                    "epochs_started": list(l.epochs_started), "exhausted": l.exhausted,
-                                    "skipped": len(l.source.skipped)} for n, l in self._job.loaders.items()}}
+            return {"step": self._consumed[self.K_STEP], **self._job.stats()}

@@ -166,6 +166,12 @@ class SourceLoader(BaseNode[tuple]):
             self._taken = {}
         return out
 
+    def stats(self) -> dict:
+        """Buffer size and bytes, samples served, epochs started, exhaustion and skipped samples."""
+        return {"buffered": len(self._buffer), "buffer_bytes": self.buffer_bytes, "served": self.served,
+                "epochs_started": list(self.epochs_started), "exhausted": self.exhausted,
+                "skipped": len(self.source.skipped)}
+
     @property
     def buffer_bytes(self) -> int:
         """Bytes of buffered records plus the Arrow row group the source holds."""

@@ -21,6 +21,7 @@ from ..plane.records import SampleKey
 from ..roles.constructor import DataConstructor
 from ..roles.planner import Planner
 from ..roles.source_loader import SourceLoader
+from .procstats import process_memory
 
 __all__ = ["LocalJob", "SourceExhausted", "StepResult"]
 
@@ -128,6 +129,14 @@ class LocalJob:
         self.feedback = [[int(s), dict(v)] for s, v in state.get(self.FEEDBACK, [])]
         for n, l in self.loaders.items():
             l.reset(state[self.LOADERS][n])
+
+    def stats(self) -> dict:
+        """Per-source loader stats, and every role's process (all this one) with its memory."""
+        mem = process_memory()
+        return {"sources": {n: l.stats() for n, l in self.loaders.items()},
+                "roles": {**{f"loader:{n}": mem["pid"] for n in self.loaders}, "planner": mem["pid"],
+                          "constructor": mem["pid"]},
+                "processes": {mem["pid"]: mem}}
 
     def close(self) -> None:
         for l in self.loaders.values():

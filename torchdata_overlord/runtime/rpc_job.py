@@ -22,6 +22,7 @@ run one RpcJob with the default transport; pass ``transport=`` to place the acto
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -37,6 +38,7 @@ from ..roles.planner import Planner
 from ..roles.source_loader import SourceLoader
 from ..sources.parquet import ParquetSource
 from .local import LocalJob, SourceExhausted, StepResult
+from .procstats import process_memory
 from .transport import Transport
 
 __all__ = ["RpcJob", "SourceSpec"]
@@ -99,6 +101,9 @@ class _LoaderActor:
 
     def exhausted(self) -> bool:
         return bool(self.loader.exhausted)
+
+    def stats(self) -> dict:
+        return self.loader.stats()
 
     def get_state(self) -> dict:
         return self.loader.get_state()
@@ -256,6 +261,18 @@ class RpcJob:
         self._step = int(state[self.PLANNER][Planner.STEP])
         self.feedback = [[int(s), dict(v)] for s, v in state.get(self.FEEDBACK, [])]
         self._on_loaders("reset", {n: (state[self.LOADERS][n],) for n in self.names})
+
+    def stats(self) -> dict:
+        """Per-source loader stats (asked of the actors), each role's process, and their memory."""
+        sources = self._on_loaders("stats")
+        actors = [PLANNER, CONSTRUCTOR] + [loader_actor(n) for n in self.names]
+        if hasattr(self.transport, "worker_of"):
+            pids = self.transport.worker_pids
+            roles = {a: pids[self.transport.worker_of(a)] for a in actors}
+        else:
+            roles = {a: os.getpid() for a in actors}
+        procs = {pid: process_memory(pid) for pid in sorted(set(roles.values()) | {os.getpid()})}
+        return {"sources": sources, "roles": roles, "processes": procs}
 
     def close(self) -> None:
         """Close the loaders (bounded by the timeout, errors ignored), then stop our transport."""
