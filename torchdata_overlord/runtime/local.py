@@ -26,6 +26,24 @@ from .procstats import process_memory
 __all__ = ["LocalJob", "SourceExhausted", "StepResult"]
 
 
+def source_settings(names: list[str]) -> Callable:
+    """Check the source names; returns ``get(value, name, default)`` for settings given as one value
+    for every source or as a ``{source: value}`` dict (unknown names refused)."""
+    if not names:
+        raise ConfigError("a job needs at least one source")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"source names must be unique, got {names}")
+
+    def get(value, name, default):
+        if isinstance(value, Mapping):
+            unknown = set(value) - set(names)
+            if unknown:
+                raise ConfigError(f"settings name unknown sources {sorted(unknown)}; sources are {names}")
+            return value.get(name, default)
+        return default if value is None else value
+    return get
+
+
 class SourceExhausted(OverlordError, StopIteration):
     """A source configured with a finite number of epochs ran out: the stream ends here."""
 
@@ -51,20 +69,7 @@ class LocalJob:
                  workers: int | Mapping[str, int] = 0, image_token_id: int | None = None, pad_id: int = 0,
                  ignore_index: int = -100):
         sources = list(sources)
-        names = [s.name for s in sources]
-        if not sources:
-            raise ConfigError("a job needs at least one source")
-        if len(set(names)) != len(names):
-            raise ConfigError(f"source names must be unique, got {names}")
-
-        def per_source(value, name, default):
-            if isinstance(value, Mapping):
-                unknown = set(value) - set(names)
-                if unknown:
-                    raise ConfigError(f"settings name unknown sources {sorted(unknown)}; sources are {names}")
-                return value.get(name, default)
-            return default if value is None else value
-
+        per_source = source_settings([s.name for s in sources])
         self.mesh = mesh
         self.planner = Planner(strategy, mesh, global_batch, seed=seed)
         self.loaders = {s.name: SourceLoader(s, per_source(buffer_size, s.name, global_batch),

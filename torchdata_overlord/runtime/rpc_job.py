@@ -37,7 +37,7 @@ from ..roles.constructor import DataConstructor
 from ..roles.planner import Planner
 from ..roles.source_loader import SourceLoader
 from ..sources.parquet import ParquetSource
-from .local import LocalJob, SourceExhausted, StepResult
+from .local import LocalJob, SourceExhausted, StepResult, source_settings
 from .procstats import process_memory
 from .transport import Transport
 
@@ -146,22 +146,11 @@ class RpcJob:
                  startup_timeout: float = 60.0, transport: Transport | None = None):
         specs = [SourceSpec.from_source(s) for s in sources]
         names = [s.name for s in specs]
-        if not specs:
-            raise ConfigError("a job needs at least one source")
-        if len(set(names)) != len(names):
-            raise ConfigError(f"source names must be unique, got {names}")
+        per_source = source_settings(names)
         if not isinstance(mesh, ClientPlaceTree):
             raise ConfigError(f"mesh must be a ClientPlaceTree, got {type(mesh).__name__}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ConfigError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-
-        def per_source(value, name, default):
-            if isinstance(value, Mapping):
-                unknown = set(value) - set(names)
-                if unknown:
-                    raise ConfigError(f"settings name unknown sources {sorted(unknown)}; sources are {names}")
-                return value.get(name, default)
-            return default if value is None else value
 
         if transport is None or hasattr(transport, "worker_of"):
             try:
