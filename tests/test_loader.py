@@ -242,6 +242,19 @@ def test_no_sample_lost_or_repeated_within_an_epoch(corpus):
     assert len(seen) == served                                   # nothing taken from a loader and lost
 
 
+def test_stats_report_fetch_waits_sources_and_processes(corpus):
+    with make_loader(corpus, "dp", dict(dp=2), prefetch=2) as loader:
+        for _ in zip(range(4), loader):
+            pass
+        st = loader.stats()
+    assert st["step"] == 4 and st["fetch_wait"]["steps"] == 4
+    assert 0 <= st["fetch_wait"]["p50_ms"] <= st["fetch_wait"]["p99_ms"] <= st["fetch_wait"]["max_ms"]
+    assert set(st["sources"]) == {"web", "code", "long", "caps"}
+    assert all(s["served"] >= 0 and s["buffered"] >= 0 for s in st["sources"].values())
+    pid = st["roles"]["planner"]
+    assert pid in st["processes"] and st["processes"][pid]["rss_mib"] > 0
+
+
 def test_close_leaves_no_thread_and_is_idempotent(corpus):
     before = set(threading.enumerate())
     loader = make_loader(corpus, "dp", dict(dp=2), workers={"caps": 2})

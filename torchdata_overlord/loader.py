@@ -10,11 +10,13 @@ an uninterrupted run would have produced.
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import logging
 import queue
 import threading
+import time
 import warnings
 from typing import Callable, Iterable, Mapping
 
@@ -96,6 +98,7 @@ class OverlordLoader:
         self.exhausted_reason: str | None = None
         self.last_plan = None              # the Plan of the step the trainer consumed last (stats, render)
         self._feedback: list[list] = []    # [step, values] given by the trainer, until planned and consumed
+        self._waits: collections.deque = collections.deque(maxlen=1000)   # seconds next() waited, recent steps
 
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> "OverlordLoader":
@@ -141,6 +144,7 @@ class OverlordLoader:
     def __next__(self) -> dict:
         if self._thread is None:
             iter(self)
+        t0 = time.perf_counter()
         waited = 0.0
         while True:
             try:
@@ -163,6 +167,7 @@ class OverlordLoader:
             log.info("OverlordLoader: %s", payload)
             self._thread = None
             raise StopIteration
+        self._waits.append(time.perf_counter() - t0)
         self._consumed = state
         planned = state[self.K_JOB][LocalJob.PLANNER]["step"]
         self._feedback = [f for f in self._feedback if f[0] >= planned]   # the rest is in the snapshot
@@ -272,7 +277,11 @@ class OverlordLoader:
             pass
 
     def stats(self) -> dict:
-        """The consumed step; per source: buffer size and bytes, samples served, epochs, skips;
-        per role: its process id; per process: RSS and PSS in MiB (from /proc)."""
+        """The consumed step; how long ``next()`` waited for data over recent steps (p50/p99/max, ms);
+        per source: buffer size and bytes, samples served, epochs, skips; per role: its process id;
+        per process: RSS and PSS in MiB (from /proc)."""
+        waits = sorted(self._waits)
+        pick = lambda q: round(1000 * waits[min(int(q * len(waits)), len(waits) - 1)], 3) if waits else None  # noqa: E731
+        fetch = {"steps": len(waits), "p50_ms": pick(0.5), "p99_ms": pick(0.99), "max_ms": pick(1.0)}
         with self._lock:
-            return {"step": self._consumed[self.K_STEP], **self._job.stats()}
+            return {"step": self._consumed[self.K_STEP], "fetch_wait": fetch, **self._job.stats()}
