@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"mixture: largest |cumulative realised - target| of any source: {last['max_abs_error']:.2f} samples")
     print(f"throughput: {samples / elapsed:,.0f} samples/s, {tokens / elapsed:,.0f} tokens/s "
           f"({len(per_step)} steps in {elapsed:.1f} s, all {mesh.world_size} ranks built in this process)")
+    fw = stats["fetch_wait"]
+    print(f"trainer waited for data: p50 {fw['p50_ms']} ms, p99 {fw['p99_ms']} ms per step (no model runs here, so "
+          f"this is the loader's own pace)")
     for name, st in stats["sources"].items():
         print(f"  {name:>4}: served {st['served']:>6}, epochs started {st['epochs_started']}, "
               f"buffer {st['buffered']} samples / {st['buffer_bytes'] / 2**20:.1f} MiB, skipped {st['skipped']}")
