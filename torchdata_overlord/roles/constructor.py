@@ -49,6 +49,8 @@ __all__ = ["DataConstructor", "MissingSampleError", "sequence_length", "sequence
 # packed-row fields that a pipeline stage > 0 keeps (labels/loss_mask only on the last stage)
 _DROP_ON_METADATA = ("input_ids", "pixels")
 _LAST_STAGE_ONLY = ("labels", "loss_mask")
+# the packed-row fields a context-parallel rank receives as its zig-zag shard (cu_seqlens stays whole)
+_SPLIT_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids", "segment_ids", "cu_seqlens", "max_seqlen")
 
 
 class MissingSampleError(OverlordError, KeyError):
@@ -180,14 +182,20 @@ class DataConstructor:
         pp_last = plan.mesh.sizes.get("pp", 1) - 1
         out: dict[int, object] = {}
         enc_cache: dict[int, dict] = {}
+        splits: dict[tuple[int, int], dict] = {}      # (microbatch, cp rank) -> zig-zag shard, shared by PP stages
         for r in plan.buckets[bucket]:
             delivery = plan.delivery(r)
             if delivery == "none":
                 mbs = None
             else:
                 c = plan.mesh.coords(r)
-                mbs = [self._client_view(row, cp, c.get("cp", 0), delivery == "metadata", c.get("pp", 0) == pp_last)
-                       for row in rows]
+                cp_rank = c.get("cp", 0)
+                mbs = []
+                for m, row in enumerate(rows):
+                    if cp > 1 and (m, cp_rank) not in splits:
+                        splits[m, cp_rank] = split_packed({k: row[k] for k in _SPLIT_FIELDS}, cp, cp_rank)
+                    mbs.append(self._client_view(row, splits.get((m, cp_rank)), delivery == "metadata",
+                                                 c.get("pp", 0) == pp_last))
             if encoder is None:
                 out[r] = mbs
             else:
@@ -314,11 +322,10 @@ class DataConstructor:
                     dtype=torch.int64)
         return row
 
-    def _client_view(self, row: dict, cp: int, cp_rank: int, metadata: bool, last_stage: bool) -> dict:
+    def _client_view(self, row: dict, split: dict | None, metadata: bool, last_stage: bool) -> dict:
         out = dict(row)
-        if cp > 1:
-            out.update(split_packed({k: row[k] for k in ("input_ids", "labels", "loss_mask", "position_ids",
-                                                          "segment_ids", "cu_seqlens", "max_seqlen")}, cp, cp_rank))
+        if split is not None:
+            out.update(split)
         if metadata:
             for k in _DROP_ON_METADATA:
                 out.pop(k, None)
