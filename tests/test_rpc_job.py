@@ -109,6 +109,20 @@ def test_source_spec_from_source(corpus):
     src.close(), rebuilt.close()
 
 
+def test_source_spec_of_a_uri_or_filesystem_source(corpus):
+    import pyarrow.fs as pafs
+
+    files = sorted(Path(corpus.root, "web").glob("*.parquet"))
+    sub = pafs.SubTreeFileSystem(str(Path(corpus.root, "web")), pafs.LocalFileSystem())
+    for src in (ParquetSource("web", [f"file://{f}" for f in files], seed=3),
+                ParquetSource("web", "*.parquet", seed=3, filesystem=sub)):
+        next(src)
+        rebuilt = pickle.loads(pickle.dumps(SourceSpec.from_source(src))).build()
+        assert rebuilt.state_dict() == src.state_dict()
+        assert [next(rebuilt)[0] for _ in range(3)] == [next(src)[0] for _ in range(3)]
+        src.close(), rebuilt.close()
+
+
 def test_unpicklable_strategy_is_a_config_error(corpus):
     with pytest.raises(ol.ConfigError, match="must pickle"):
         RpcJob(make_sources(corpus), lambda g: vlm_strategy(g), make_mesh(), **job_kwargs(corpus))

@@ -54,10 +54,10 @@ def loader_actor(name: str) -> str:
 class SourceSpec:
     """How to rebuild a ParquetSource in another process: its constructor arguments and position.
 
-    ``from_source`` reads a ParquetSource's public attributes; ``paths`` are its resolved
-    :attr:`~ParquetSource.files` (so the worker reads exactly the same files in the same order).
-    A source given a custom ``filesystem=`` cannot be described this way (the filesystem object is
-    not kept): pass a SourceSpec with ``kwargs={"filesystem": ...}`` if that filesystem pickles.
+    ``from_source`` reads a ParquetSource's public attributes: for local files, ``paths`` are its
+    resolved :attr:`~ParquetSource.files` (the worker reads exactly the same files in the same
+    order); for URIs or a ``filesystem=`` (pyarrow filesystems pickle), the paths as given, which the
+    worker resolves again; the state's file fingerprint then refuses a file set that changed.
     """
 
     name: str
@@ -72,13 +72,12 @@ class SourceSpec:
             return src
         if not isinstance(src, ParquetSource):
             raise ConfigError(f"RpcJob sources must be ParquetSource or SourceSpec, got {type(src).__name__}")
-        remote = [f for f in src.files if "://" in f]
-        if remote:
-            raise ConfigError(f"source {src.name!r}: files {remote[:2]} are not local; the filesystem object is "
-                              f"not kept by ParquetSource, so give RpcJob a SourceSpec with kwargs['filesystem']")
-        return cls(src.name, list(src.files), src.transform,
-                   dict(columns=src.columns, shuffle=src.shuffle, seed=src.seed, epochs=src.epochs,
-                        on_error=src.on_error), src.state_dict())
+        kwargs = dict(columns=src.columns, shuffle=src.shuffle, seed=src.seed, epochs=src.epochs,
+                      on_error=src.on_error)
+        paths = list(src.files)
+        if src.filesystem is not None or any("://" in f for f in src.files):
+            paths, kwargs["filesystem"] = src.paths, src.filesystem
+        return cls(src.name, paths, src.transform, kwargs, src.state_dict())
 
     def build(self) -> ParquetSource:
         src = ParquetSource(self.name, self.paths, self.transform, **self.kwargs)

@@ -185,6 +185,7 @@ class ParquetSource:
         if not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ConfigError(f"source {name!r}: seed must be an int >= 0, got {seed!r}")
         self.name, self.transform, self.on_error = name, transform, on_error
+        self.paths, self.filesystem = paths, filesystem       # as given: enough to reopen the source elsewhere
         self.shuffle, self.seed, self.epochs = bool(shuffle), int(seed), epochs
         self.columns = _columns(columns, transform)
         self.skipped: list[dict] = []
