@@ -75,6 +75,39 @@ def e2e_throughput_table(data: dict) -> list[str]:
     return lines
 
 
+def runtimes_table(data: dict) -> list[str]:
+    m, c, v, t = data["machine"], data["config"], data.get("verdict") or {}, data.get("transport") or {}
+    runs, labels = data["runs"], data.get("labels", {})
+    pct = 100 * data["target"]["waited_fraction"]
+    lines = [f"**Runtimes** (`python benchmarks/runtimes.py`, {data['date']}, {m['cores']} cores, "
+             f"{m['memory_gib']} GiB): a plain `DataLoader` against `OverlordLoader` local and rpc on the "
+             f"{data['scale']} corpus, the same reading and transforms; global batch {c['global_batch']}, "
+             f"{c['steps']} steps after {c['warmup']} warm-up; mesh "
+             f"{', '.join(f'{k}={n}' for k, n in c['mesh'].items())} with every rank built in the trainer process.", "",
+             "| run | processes | samples/s | tokens/s |", "|---|---:|---:|---:|"]
+    for key, r in runs.items():
+        lines.append(f"| {labels.get(key, key)} | {r['processes']} | {r['samples_per_s']:,.0f} | "
+                     f"{r['tokens_per_s']:,.0f} |")
+    lat = {k: runs[k]["latency"] for k in ("local", "rpc") if k in runs}
+    if lat:
+        lines += ["", f"Trainer-observed `next()` wait with prefetch {data['target']['prefetch']} and a model step "
+                      f"between calls ({c['latency_steps']} steps after {c['latency_warmup']} warm-up); target: the "
+                      f"trainer waits on data in < {pct:.0f}% of steps.", "",
+                  "| runtime | model step ms | wait p50 ms | wait p99 ms | wait max ms | steps > 1 ms | "
+                  "steps > 5% of model step | queue empty at next() |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for k, l in lat.items():
+            lines.append(f"| {k} | {l['model_step_isolated_ms']:.0f} | {l['wait_p50_ms']:.2f} | {l['wait_p99_ms']:.2f} | "
+                         f"{l['wait_max_ms']:.1f} | {100 * l['waited_gt_1ms_fraction']:.1f}% | "
+                         f"{100 * l['waited_gt_5pct_step_fraction']:.1f}% | {100 * l.get('queue_empty_fraction', float('nan')):.1f}% |")
+    if t:
+        lines += ["", f"- transport: the step's `take` phase costs {t['take_rpc_us_per_sample']:.0f} us per sample over "
+                      f"RPC against {t['take_local_us_per_sample']:.1f} us in process ({t['kib_per_sample']:.0f} KiB of "
+                      f"tensors per sample); 1/samples/s differs by {t['throughput_delta_us_per_sample']:.0f} us per "
+                      f"sample (rpc - local, every RPC hop and the different transform parallelism included)."]
+    lines += ["", data.get("processes_note", "")]
+    return lines
+
+
 def render() -> str:
     lines = []
     path = RESULTS / "plan_speed.json"
@@ -87,6 +120,11 @@ def render() -> str:
         data = json.loads(path.read_text())
         if not data.get("quick"):
             lines += ([""] if lines else []) + e2e_throughput_table(data)
+    path = RESULTS / "runtimes.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        if not data.get("quick"):
+            lines += ([""] if lines else []) + runtimes_table(data)
     return "\n".join(lines) if lines else "No benchmark results yet: run the scripts in `benchmarks/`."
 
 
