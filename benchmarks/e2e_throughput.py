@@ -46,20 +46,18 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import cProfile  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import pstats  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torchvision.io  # noqa: E402,F401  (ImageText imports it on first use: pay it here, not in a run)
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info  # noqa: E402
 
+from common import machine, today, write_results  # noqa: E402
 import torchdata_overlord as ol  # noqa: E402
 from torchdata_overlord.runtime.local import LocalJob  # noqa: E402
 from torchdata_overlord.sim.corpus import SOURCES, build_demo_corpus, default_corpus_root  # noqa: E402
@@ -423,13 +421,6 @@ def thread_scaling(corpus, workers: int, rows: int, seed: int, rounds: int = 3) 
 
 # ------------------------------------------------------------------------------------------------
 
-def machine() -> dict:
-    return {"cores": os.cpu_count(), "python": platform.python_version(), "processor": platform.machine(),
-            "load_avg_1m": round(os.getloadavg()[0], 2),
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
-
-
 RUNS = {   # key: (label, side, serial?, baseline grouped?)
     "dataloader_serial": ("DataLoader, main process, interleaved", "DataLoader", True, False),
     "dataloader_serial_grouped": ("DataLoader, main process, grouped", "DataLoader", True, True),
@@ -604,10 +595,8 @@ def main(argv=None) -> int:
                             f"bookkeeping run serially in the prefetch thread between fills."),
            "runs": runs, "thread_scaling": probe, "errors": errors, "verdict": verdict, "profile": profile,
            "machine": {**machine(), "load_avg_1m_at_start": load_start}, "total_s": time.perf_counter() - t_all,
-           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {args.out} ({out['total_s']:.0f} s in all)")
+           "date": today()}
+    write_results(args.out, out, f" ({out['total_s']:.0f} s in all)")
     return 1 if errors else 0
 
 

@@ -16,15 +16,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")          # one core, as the target
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from common import machine, today, write_results  # noqa: E402
 import torchdata_overlord as ol  # noqa: E402
 from torchdata_overlord.sim import SimulatedLoaders, SyntheticSource  # noqa: E402
 
@@ -86,12 +84,8 @@ def main(argv=None) -> int:
                   f"({'meets' if at['seconds_median'] <= TARGET['seconds'] else 'MISSES'} <= {TARGET['seconds']} s); "
                   f"time/(n log n) changes x{growth:.2f} from 16k to 1M samples")
     out = {"benchmark": "plan_speed", "quick": args.quick, "target": TARGET, "rows": rows, "verdict": verdict,
-           "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "processor": platform.machine(),
-                       "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
-           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+           "machine": machine(), "date": today()}
+    write_results(args.out, out)
     return 0
 
 

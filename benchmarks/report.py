@@ -65,9 +65,9 @@ def e2e_throughput_table(data: dict) -> list[str]:
         if "dataloader_serial_other_fraction" in v:
             lines.append(f"- the DataLoader's own time in its serial run: "
                          f"{100 * v['dataloader_serial_other_fraction']:.1f}% of its transform time.")
-    lines += ["", f"W counts DataLoader worker processes against OverlordLoader transform threads per source (the "
-                  f"embedded runtime fills one source at a time, so at most W transforms run at once, as threads "
-                  f"of one process); its planning and packing run between fills, not beside them."
+    lines += ["", "W counts DataLoader worker processes against OverlordLoader transform threads per source (the "
+                  "embedded runtime fills one source at a time, so at most W transforms run at once, as threads "
+                  "of one process); its planning and packing run between fills, not beside them."
                   + (f" The machine's 1-minute load average went from {m['load_avg_1m_at_start']} to "
                      f"{m['load_avg_1m']} during the run: other jobs shared it, which skews the W-worker rows "
                      f"most; the serial overhead figure is a ratio within one thread."
@@ -76,7 +76,7 @@ def e2e_throughput_table(data: dict) -> list[str]:
 
 
 def runtimes_table(data: dict) -> list[str]:
-    m, c, v, t = data["machine"], data["config"], data.get("verdict") or {}, data.get("transport") or {}
+    m, c, t = data["machine"], data["config"], data.get("transport") or {}
     runs, labels = data["runs"], data.get("labels", {})
     pct = 100 * data["target"]["waited_fraction"]
     lines = [f"**Runtimes** (`python benchmarks/runtimes.py`, {data['date']}, {m['cores']} cores, "

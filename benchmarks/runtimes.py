@@ -56,7 +56,6 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -64,9 +63,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_throughput as e2e  # noqa: E402
+from common import machine, today, write_results  # noqa: E402
 
 import torchdata_overlord as ol  # noqa: E402
-from torchdata_overlord.sim.corpus import SOURCES, build_demo_corpus, default_corpus_root  # noqa: E402
+from torchdata_overlord.sim.corpus import build_demo_corpus, default_corpus_root  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WEIGHTS = e2e.WEIGHTS
@@ -397,11 +397,9 @@ def main(argv=None) -> int:
                               "deserialisation + actor time; local: in-process dict pops), over the throughput "
                               "window; the throughput delta includes every RPC hop."),
            "runs": runs, "transport": transport, "verdict": verdict, "errors": errors,
-           "machine": {**e2e.machine(), "load_avg_1m_at_start": load_start}, "total_s": time.perf_counter() - t_all,
-           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {args.out} ({out['total_s']:.0f} s in all)")
+           "machine": {**machine(), "load_avg_1m_at_start": load_start}, "total_s": time.perf_counter() - t_all,
+           "date": today()}
+    write_results(args.out, out, f" ({out['total_s']:.0f} s in all)")
     return 1 if errors else 0
 
 

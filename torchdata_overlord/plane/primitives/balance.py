@@ -128,6 +128,6 @@ class Balance:
         bins = np.bincount(pl.mb * len(lay.buckets) + pl.bucket, weights=entries["cost"],
                            minlength=pl.n_microbatches * len(lay.buckets))
         note = (f"balance({self.method!r}, microbatches={self.microbatches}"
-                + (f", max_tokens={self.max_tokens}" if self.max_tokens else "") + f"): "
+                + (f", max_tokens={self.max_tokens}" if self.max_tokens else "") + "): "
                 + f"{len(it)} entries in {pl.n_microbatches} microbatches, max bin cost {bins.max() if len(bins) else 0:.3g}")
         return g.evolve(note, placement=asg)

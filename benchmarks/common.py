@@ -1,0 +1,30 @@
+"""What every benchmark script shares: the machine's description and writing the results JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def machine() -> dict:
+    """Cores, memory, Python, processor, load and torch threads: printed beside every figure."""
+    import torch
+
+    return {"cores": os.cpu_count(), "python": platform.python_version(), "processor": platform.machine(),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+
+
+def today() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d")
+
+
+def write_results(path: Path, payload: dict, note: str = "") -> None:
+    """Write ``payload`` as JSON to ``path`` (folders created) and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"\nwrote {path}{note}")
