@@ -331,3 +331,49 @@ json.dump(report, open({str(out)!r}, "w"))
     for pid, mem in rep["processes"].items():
         assert mem["rss_mib"] and mem["rss_mib"] > 0 and mem["pss_mib"] and mem["pss_mib"] > 0
     assert rep["sources"]["web"]["served"] > 0
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_leaves_no_role_process_behind(corpus, tmp_path):
+    """SIGKILL the trainer process mid-run: its RPC worker processes (the roles) must exit on their own."""
+    import signal
+    import time
+
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+import torchdata_overlord as ol
+from torchdata_overlord.sim.corpus import build_demo_corpus
+from test_rpc_job import make_sources, vlm_strategy, make_mesh
+corpus = build_demo_corpus({str(corpus.root)!r}, scale="test", seed=0)
+loader = ol.OverlordLoader(make_sources(corpus), vlm_strategy, make_mesh(), rank=0, global_batch=8, seq_len=None,
+                           image_token_id=corpus.image_token_id, runtime="rpc", n_workers=2)
+it = iter(loader)
+next(it)
+print(" ".join(str(p) for p in set(loader.stats()["roles"].values())), flush=True)
+for _ in it:
+    pass
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2 and proc.pid not in pids, (line, proc.stderr.read() if not line else "")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        def running(pid):
+            try:
+                return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+            except OSError:
+                return False
+
+        deadline = time.monotonic() + 30                 # bounded poll of the process table (not our children)
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in pids if running(p)]
+            if alive:
+                time.sleep(0.1)
+        assert not alive, f"role processes {alive} outlived their trainer"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
