@@ -23,8 +23,17 @@ def today() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%d")
 
 
-def write_results(path: Path, payload: dict, note: str = "") -> None:
-    """Write ``payload`` as JSON to ``path`` (folders created) and say where."""
+def write_results(path: Path, payload: dict, started: float | None = None, load_start: float | None = None) -> None:
+    """Add the machine, the date and (from ``started``, a ``time.perf_counter()``) the total time to
+    ``payload``, write it as JSON to ``path`` (folders created) and say where."""
+    import time
+
+    payload["machine"] = {**machine(), **({} if load_start is None else {"load_avg_1m_at_start": load_start})}
+    payload["date"] = today()
+    note = ""
+    if started is not None:
+        payload["total_s"] = time.perf_counter() - started
+        note = f" ({payload['total_s']:.0f} s in all)"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
     print(f"\nwrote {path}{note}")

@@ -57,7 +57,7 @@ import torch  # noqa: E402
 import torchvision.io  # noqa: E402,F401  (ImageText imports it on first use: pay it here, not in a run)
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info  # noqa: E402
 
-from common import machine, today, write_results  # noqa: E402
+from common import write_results  # noqa: E402
 import torchdata_overlord as ol  # noqa: E402
 from torchdata_overlord.runtime.local import LocalJob  # noqa: E402
 from torchdata_overlord.sim.corpus import SOURCES, build_demo_corpus, default_corpus_root  # noqa: E402
@@ -593,10 +593,8 @@ def main(argv=None) -> int:
                             f"at most W transforms run at once, as threads of one process (transforms that hold "
                             f"the GIL, e.g. sentencepiece encoding, do not overlap), and planning, packing and "
                             f"bookkeeping run serially in the prefetch thread between fills."),
-           "runs": runs, "thread_scaling": probe, "errors": errors, "verdict": verdict, "profile": profile,
-           "machine": {**machine(), "load_avg_1m_at_start": load_start}, "total_s": time.perf_counter() - t_all,
-           "date": today()}
-    write_results(args.out, out, f" ({out['total_s']:.0f} s in all)")
+           "runs": runs, "thread_scaling": probe, "errors": errors, "verdict": verdict, "profile": profile}
+    write_results(args.out, out, started=t_all, load_start=load_start)
     return 1 if errors else 0
 
 

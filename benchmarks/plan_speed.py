@@ -22,7 +22,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from common import machine, today, write_results  # noqa: E402
+from common import write_results  # noqa: E402
 import torchdata_overlord as ol  # noqa: E402
 from torchdata_overlord.sim import SimulatedLoaders, SyntheticSource  # noqa: E402
 
@@ -83,8 +83,7 @@ def main(argv=None) -> int:
             print(f"{method}: {at['seconds_median']:.3f} s at the target size "
                   f"({'meets' if at['seconds_median'] <= TARGET['seconds'] else 'MISSES'} <= {TARGET['seconds']} s); "
                   f"time/(n log n) changes x{growth:.2f} from 16k to 1M samples")
-    out = {"benchmark": "plan_speed", "quick": args.quick, "target": TARGET, "rows": rows, "verdict": verdict,
-           "machine": machine(), "date": today()}
+    out = {"benchmark": "plan_speed", "quick": args.quick, "target": TARGET, "rows": rows, "verdict": verdict}
     write_results(args.out, out)
     return 0
 

@@ -63,7 +63,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_throughput as e2e  # noqa: E402
-from common import machine, today, write_results  # noqa: E402
+from common import write_results  # noqa: E402
 
 import torchdata_overlord as ol  # noqa: E402
 from torchdata_overlord.sim.corpus import build_demo_corpus, default_corpus_root  # noqa: E402
@@ -396,10 +396,8 @@ def main(argv=None) -> int:
                               "planned samples in the stepping process (rpc: serialisation + TensorPipe + "
                               "deserialisation + actor time; local: in-process dict pops), over the throughput "
                               "window; the throughput delta includes every RPC hop."),
-           "runs": runs, "transport": transport, "verdict": verdict, "errors": errors,
-           "machine": {**machine(), "load_avg_1m_at_start": load_start}, "total_s": time.perf_counter() - t_all,
-           "date": today()}
-    write_results(args.out, out, f" ({out['total_s']:.0f} s in all)")
+           "runs": runs, "transport": transport, "verdict": verdict, "errors": errors}
+    write_results(args.out, out, started=t_all, load_start=load_start)
     return 1 if errors else 0
 
 
