@@ -11,8 +11,9 @@ prints its result as JSON on stdout. Same number of processes, three in all:
   interleaved order, every worker opening every source), batches of global_batch / 2;
 * ``local``: one process; ``OverlordLoader(runtime="local", workers=2)`` (a 2-thread transform pool per
   source, sources filled one after another, planning/packing in the prefetch thread);
-* ``rpc``: the main process + ``n_workers=2`` RPC worker processes holding the Source Loaders, the
-  Planner and the Data Constructor (``workers=0`` in each Source Loader: one transform at a time per actor).
+* ``rpc``: the main process + ``n_workers=2`` RPC worker processes holding the Planner, the four Source
+  Loaders and the two Data Constructors (one per DP group), ``workers=0`` in each Source Loader (one
+  transform at a time per actor); samples go loader -> constructor -> trainer.
 
 The OverlordLoader runs plan a ``dp=2, cp=2`` mesh (Karmarkar-Karp on attention FLOPs, 4 microbatches)
 with ``rank=None``: every rank's output is built and consumed in the trainer process, so every run
@@ -29,10 +30,11 @@ Measured per OverlordLoader run, on one loader and one iterator:
    and the fraction of ``next()`` calls that found no built step in the prefetch queue (a wait for the
    producer, as opposed to ``next()``'s own cost, which contends for the GIL with the prefetch thread).
    Target (issue): with prefetch 2, the trainer waits on data in < 1% of steps once warm;
-3. transport: the wall time of each step's ``take`` phase (the planned samples handed from the Source
-   Loaders to the stepping process): in ``local`` the in-process ``SourceLoader.take`` calls, in ``rpc`` from
-   issuing the ``take`` RPCs to having every reply (serialisation, TensorPipe, deserialisation, actor
-   time), per sample; with the tensor bytes moved. Also the throughput-derived per-sample difference
+3. transport: the wall time of each step's hand-over of the planned samples from the Source Loaders
+   to the Data Constructors: in ``local`` the in-process ``SourceLoader.take`` calls, in ``rpc`` each
+   loader's own timing from issuing its ``put`` RPCs to every constructor's answer (serialisation,
+   TensorPipe, deserialisation), averaged over the loaders (they send in parallel), per sample; with
+   the tensor bytes moved. Also the throughput-derived per-sample difference
    ``1/rpc samples/s - 1/local samples/s`` (this includes every other RPC hop: metadata, plan, constructor
    build and its outputs, and the different transform parallelism, so it is not transport alone).
 
@@ -155,34 +157,24 @@ class TakeTimer:
             return out
         job._stage = timed_stage
 
-    def instrument_rpc(self, job) -> None:
-        call, gather, state = job._call, job._gather, {"method": None, "t0": None}
+    @staticmethod
+    def rpc_totals(job) -> tuple:
+        """The rpc Source Loaders time their own sends (take -> every constructor's put answered):
+        (seconds summed over loaders / loaders, samples, bytes, steps) so far."""
+        stats = job.stats()["sources"].values()
+        sent = [st["sent"] for st in stats]
+        return (sum(x["seconds"] for x in sent) / max(len(sent), 1), sum(x["samples"] for x in sent),
+                sum(x["bytes"] for x in sent), max(st["steps_delivered"] for st in stats))
 
-        def tagged_call(actor, method, *args):
-            if method == "take" and state["method"] != "take":
-                state["t0"] = time.perf_counter()      # the first take RPC issued this step
-            state["method"] = method
-            return call(actor, method, *args)
-
-        def timed_gather(futs):
-            out = gather(futs)
-            if state["method"] == "take":
-                t0 = state["t0"]
-                dt = time.perf_counter() - t0
-                self.events.append((t0, dt, sum(len(v) for v in out.values()),
-                                    sum(tensor_bytes(r) for v in out.values() for r in v.values())))
-            state["method"] = None
-            return out
-        job._call, job._gather = tagged_call, timed_gather
+    @staticmethod
+    def summary(seconds: float, samples: int, nbytes: int, steps: int) -> dict:
+        return {"steps": steps, "seconds": seconds, "samples": samples, "bytes": nbytes,
+                "ms_per_step": 1e3 * seconds / max(steps, 1), "us_per_sample": 1e6 * seconds / max(samples, 1),
+                "kib_per_sample": nbytes / 1024 / max(samples, 1)}
 
     def window(self, lo: float, hi: float) -> dict:
         ev = [e for e in self.events if lo <= e[0] < hi]
-        s = sum(e[1] for e in ev)
-        n = sum(e[2] for e in ev)
-        b = sum(e[3] for e in ev)
-        return {"steps": len(ev), "seconds": s, "samples": n, "bytes": b,
-                "ms_per_step": 1e3 * s / max(len(ev), 1), "us_per_sample": 1e6 * s / max(n, 1),
-                "kib_per_sample": b / 1024 / max(n, 1)}
+        return self.summary(sum(e[1] for e in ev), sum(e[2] for e in ev), sum(e[3] for e in ev), len(ev))
 
 
 def pct(xs, q) -> float:
@@ -201,7 +193,8 @@ def run_overlord(runtime: str, corpus, a: dict) -> dict:
     loader = ol.OverlordLoader(sources, strategy, mesh, rank=None, global_batch=gb, seq_len=None, seed=a["seed"],
                                runtime=runtime, prefetch=TARGET["prefetch"], image_token_id=corpus.image_token_id,
                                **kw)
-    (timer.instrument_rpc if runtime == "rpc" else timer.instrument_local)(loader._job)
+    if runtime == "local":
+        timer.instrument_local(loader._job)
     t_built = time.perf_counter()
     with loader:
         it = iter(loader)
@@ -211,18 +204,24 @@ def run_overlord(runtime: str, corpus, a: dict) -> dict:
             first = first or time.perf_counter() - t_start
         # 1. throughput
         n = tokens = 0
+        before = timer.rpc_totals(loader._job) if runtime == "rpc" else None
         t0 = time.perf_counter()
         for _ in range(a["steps"]):
             s, k = e2e.consume(next(it))
             n, tokens = n + s, tokens + k
         t1 = time.perf_counter()
+        if runtime == "rpc":        # steps delivered in the window (the prefetch runs ahead by up to 2)
+            take = timer.summary(*[x - y for x, y in zip(timer.rpc_totals(loader._job), before)])
+        else:
+            take = timer.window(t0, t1)
         thr = {"samples": n, "tokens": tokens, "seconds": t1 - t0, "samples_per_s": n / (t1 - t0),
                "tokens_per_s": tokens / (t1 - t0), "samples_per_step_ok": n == a["steps"] * gb,
-               "take": timer.window(t0, t1)}
+               "take": take}
         # 2. fetch latency under a model step
         waits, steps_s, empty = [], [], []
         for i in range(a["latency_warmup"] + a["latency_steps"]):
-            was_empty = loader._queue.qsize() == 0     # no built step waiting: next() must wait for the producer
+            head = list(loader._queue.queue)[:1]        # no built step waiting: next() must wait for the producer
+            was_empty = not head or not head[0].done()
             w0 = time.perf_counter()
             item = next(it)
             w = time.perf_counter() - w0
@@ -389,13 +388,14 @@ def main(argv=None) -> int:
                                   f"balance({METHOD}, oversize=split)"},
            "labels": RUNS,
            "processes_note": ("DataLoader and rpc use 3 processes each: DataLoader = main + 2 worker processes (each opens every source, "
-                              "files sharded); rpc = main + 2 RPC workers (Source Loaders, Planner, Data Constructor "
+                              "files sharded); rpc = main + 2 RPC workers (Planner, 4 Source Loaders, 2 Data Constructors "
                               "as actors, one transform at a time per Source Loader); local = 1 process with a "
                               "2-thread transform pool per source (fewer processes, GIL-bound transforms)."),
-           "transport_note": ("take phase = wall time per step from issuing the loaders' take calls to having all "
-                              "planned samples in the stepping process (rpc: serialisation + TensorPipe + "
-                              "deserialisation + actor time; local: in-process dict pops), over the throughput "
-                              "window; the throughput delta includes every RPC hop."),
+           "transport_note": ("hand-over = wall time per step of moving the planned samples from the Source Loaders "
+                              "to the Data Constructors (rpc: each loader's put RPCs until every constructor answered, "
+                              "serialisation + TensorPipe + deserialisation, averaged over the loaders, which send in "
+                              "parallel; local: in-process take calls), over the throughput window; the throughput "
+                              "delta includes every RPC hop."),
            "runs": runs, "transport": transport, "verdict": verdict, "errors": errors}
     write_results(args.out, out, started=t_all, load_start=load_start)
     return 1 if errors else 0

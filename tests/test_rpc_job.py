@@ -224,7 +224,7 @@ def test_rpc_job_equals_local_job_and_resumes_across_runtimes(corpus, reference,
         assert_identical(outputs, steps[k][1])
     # a remote role's exception arrives with its type and names the actor
     assert out["error"][0] == "ConfigError" and "seed 99 vs 0" in out["error"][1], out["error"]
-    assert "planner.load_state_dict()" in out["error"][1]
+    assert "planner.attach()" in out["error"][1]
     # the stream holds images (pixels travelled over RPC) and CP-split text
     enc = [o["encoder"] for o in out["fresh"][0][1].values() if o["encoder"]]
     assert any(isinstance(px, torch.Tensor) and px.dtype == torch.uint8 for e in enc for px in e["pixels"])
@@ -306,11 +306,14 @@ def open_files(pid):
 corpus = build_demo_corpus({str(corpus.root)!r}, scale="test", seed=0)
 with ol.OverlordLoader(make_sources(corpus), vlm_strategy, make_mesh(), rank=0, global_batch=8, seq_len=None,
                        image_token_id=corpus.image_token_id, runtime="rpc", n_workers=2, prefetch=1) as loader:
-    next(iter(loader))
-    stats = loader.stats()
-    report = {{"master": os.getpid(), "roles": stats["roles"],
-               "open": {{str(pid): open_files(pid) for pid in set(stats["roles"].values()) | {{os.getpid()}}}},
-               "processes": {{str(k): v for k, v in stats["processes"].items()}}, "sources": stats["sources"]}}
+    seen = {{}}
+    for _ in zip(range(4), loader):        # the roles keep working meanwhile: union what each process holds open
+        stats = loader.stats()
+        for pid in set(stats["roles"].values()) | {{os.getpid()}}:
+            seen.setdefault(str(pid), set()).update(open_files(pid))
+    report = {{"master": os.getpid(), "roles": stats["roles"], "open": {{k: sorted(v) for k, v in seen.items()}},
+               "processes": {{str(k): v for k, v in stats["processes"].items()}}, "sources": stats["sources"],
+               "constructors": stats["constructors"], "planner": stats["planner"]}}
 json.dump(report, open({str(out)!r}, "w"))
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
@@ -331,6 +334,10 @@ json.dump(report, open({str(out)!r}, "w"))
     for pid, mem in rep["processes"].items():
         assert mem["rss_mib"] and mem["rss_mib"] > 0 and mem["pss_mib"] and mem["pss_mib"] > 0
     assert rep["sources"]["web"]["served"] > 0
+    # queue depths: one constructor per DP group, each holding at most the steps not yet consumed
+    assert sorted(rep["constructors"]) == ["constructor:0", "constructor:1"]
+    assert all(0 <= c["steps_held"] <= 2 and c["steps_built"] >= 4 for c in rep["constructors"].values())
+    assert rep["planner"]["next_step"] >= 4 and rep["planner"]["waiting_requests"] == 0
 
 
 @pytest.mark.slow

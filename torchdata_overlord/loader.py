@@ -11,6 +11,7 @@ an uninterrupted run would have produced.
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import copy
 import json
 import logging
@@ -30,7 +31,6 @@ from .runtime.rpc_job import RpcJob
 __all__ = ["OverlordLoader"]
 
 log = logging.getLogger("torchdata_overlord")
-_END = object()
 RUNTIMES = {"local": LocalJob, "rpc": RpcJob}
 
 
@@ -49,10 +49,14 @@ class OverlordLoader:
 
     ``rank=None`` simulates every rank of the mesh in this process: each item is then
     ``{rank: item}``. ``runtime="local"`` runs every role in this process; ``runtime="rpc"`` runs
-    each Source Loader, the Planner and the Data Constructor as actors in ``n_workers`` worker
-    processes over ``torch.distributed.rpc`` on loopback (the strategy must then be picklable,
-    e.g. a module-level function; RPC can be started once per process). Both yield the same
-    batches. ``timeout`` bounds every wait for the next step.
+    the Planner, each Source Loader and one Data Constructor per DP group (``constructors=``) as
+    actors in worker processes over ``torch.distributed.rpc`` (one process per role, or
+    ``n_workers``), on loopback, started by this process; with ``group=`` (a ``torch.distributed``
+    process group, or ``"default"``) every trainer process of the group is a client and group rank 0
+    starts the roles; with ``address="host:port"`` the roles were started by
+    ``python -m torchdata_overlord.launch`` and this process joins them as client ``rank``. The
+    strategy must then be picklable (e.g. a module-level function; RPC can be started once per
+    process). Every runtime yields the same batches. ``timeout`` bounds every wait for the next step.
     Each item: ``{"step": int, "delivery": "data" | "metadata" | "none", "microbatches": list | None}``
     (see :class:`~torchdata_overlord.roles.constructor.DataConstructor` for the microbatch fields),
     plus ``"encoder"`` (the images this rank embeds) when the plan carries an encoder module.
@@ -65,7 +69,8 @@ class OverlordLoader:
                  global_batch: int, seq_len: int | None, runtime: str = "local", seed: int = 0, prefetch: int = 2,
                  pin_memory: bool = False, buffer_size: int | Mapping[str, int] | None = None,
                  workers: int | Mapping[str, int] = 0, image_token_id: int | None = None, pad_id: int = 0,
-                 timeout: float = 300.0, n_workers: int = 2):
+                 timeout: float = 300.0, n_workers: int | None = None, constructors: int | None = None,
+                 group=None, address: str | None = None):
         if runtime not in RUNTIMES:
             raise ConfigError(f"unknown runtime {runtime!r}; choose 'local' (every role in this process) or 'rpc' "
                               f"(roles in worker processes over torch.distributed.rpc)")
@@ -82,7 +87,12 @@ class OverlordLoader:
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
         if pin_memory and not self.pin_memory:
             warnings.warn("pin_memory=True but no accelerator is available; batches are not pinned", stacklevel=2)
-        extra = {"n_workers": n_workers, "timeout": min(timeout, 60.0)} if runtime == "rpc" else {}
+        extra = {}
+        if runtime == "rpc":
+            extra = dict(n_workers=n_workers, timeout=min(timeout, 60.0), constructors=constructors, group=group,
+                         address=address, client=rank if address is not None and rank is not None else None)
+        elif (n_workers, constructors, group, address) != (None, None, None, None):
+            raise ConfigError("n_workers, constructors, group and address are options of runtime='rpc'")
         self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,
                                       buffer_size=buffer_size, workers=workers, image_token_id=image_token_id,
                                       pad_id=pad_id, **extra)
@@ -119,60 +129,65 @@ class OverlordLoader:
         return self
 
     def _produce(self, stop: threading.Event, out: queue.Queue, slots: threading.Semaphore) -> None:
+        """Submit steps ahead of the trainer (at most ``prefetch`` not yet consumed); the queue holds
+        each step's future in order (LocalJob computes it here, RpcJob's roles compute it remotely)."""
         ranks = None if self.rank is None else [self.rank]
         while not stop.is_set():
             if not slots.acquire(timeout=0.1):      # at most `prefetch` steps built and not yet consumed
                 continue
             try:
                 with self._lock:
-                    res = self._job.step(ranks)
-                    item = (res.step, (res.outputs, res.plan),
-                            {self.K_STEP: res.step + 1, self.K_JOB: self._job.state_dict()})
-            except SourceExhausted as e:
-                item = (_END, str(e), None)
+                    fut = self._job.submit(ranks, consumed=self._consumed[self.K_STEP])
             except BaseException as e:  # noqa: BLE001 (handed to the trainer thread, re-raised there)
-                item = (None, e, None)
+                fut = cf.Future()
+                fut.set_exception(e)
             while not stop.is_set():
                 try:
-                    out.put(item, timeout=0.1)
+                    out.put(fut, timeout=0.1)
                     break
                 except queue.Full:
                     continue
-            if item[0] is None or item[0] is _END:
+            if fut.done() and fut.exception() is not None:
                 return
 
     def __next__(self) -> dict:
         if self._thread is None:
             iter(self)
         t0 = time.perf_counter()
-        waited = 0.0
         while True:
             try:
-                step, payload, state = self._queue.get(timeout=0.1)
-                self._slots.release()
+                fut = self._queue.get(timeout=0.1)
                 break
             except queue.Empty:
-                waited += 0.1
                 if self._thread is None or not self._thread.is_alive():
                     raise StopIteration from None
-                if waited >= self.timeout:
-                    raise TimeoutError(f"no step produced within {self.timeout:.0f} s (step "
-                                       f"{self._consumed[self.K_STEP]}); raise OverlordLoader(timeout=...) for "
-                                       f"very slow sources") from None
-        if step is None:
-            self._thread = None
-            raise payload
-        if step is _END:
-            self.exhausted_reason = payload
-            log.info("OverlordLoader: %s", payload)
-            self._thread = None
-            raise StopIteration
+                self._check_timeout(t0)
+        while True:
+            try:
+                res = fut.result(timeout=0.1)
+                break
+            except cf.TimeoutError:
+                self._check_timeout(t0)
+            except SourceExhausted as e:
+                self.exhausted_reason = str(e)
+                log.info("OverlordLoader: %s", e)
+                self._thread = None
+                raise StopIteration from None
+            except BaseException:
+                self._thread = None
+                raise
+        self._slots.release()
         self._waits.append(time.perf_counter() - t0)
-        self._consumed = state
-        planned = state[self.K_JOB][LocalJob.PLANNER]["step"]
+        self._consumed = {self.K_STEP: res.step + 1, self.K_JOB: res.state}
+        planned = res.state[LocalJob.PLANNER]["step"]
         self._feedback = [f for f in self._feedback if f[0] >= planned]   # the rest is in the snapshot
-        outputs, self.last_plan = payload
-        return self._package(step, outputs)
+        self.last_plan = res.plan
+        return self._package(res.step, res.outputs)
+
+    def _check_timeout(self, t0: float) -> None:
+        if time.perf_counter() - t0 >= self.timeout:
+            raise TimeoutError(f"no step produced within {self.timeout:.0f} s (step {self._consumed[self.K_STEP]}); "
+                               f"raise OverlordLoader(timeout=...) for very slow sources")
 
     def _package(self, step: int, outputs: dict):
         def one(rank):

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError, OverlordError, OversizeSampleError
@@ -44,7 +45,7 @@ from ..transforms.cp_split import split_packed, zigzag_indices
 from ..transforms.packing import pack
 
 __all__ = ["DataConstructor", "MissingSampleError", "sequence_length", "sequence_of", "record_images",
-           "image_key"]
+           "image_key", "bucket_inputs"]
 
 # packed-row fields that a pipeline stage > 0 keeps (labels/loss_mask only on the last stage)
 _DROP_ON_METADATA = ("input_ids", "pixels")
@@ -115,6 +116,27 @@ def sequence_of(record: Mapping[str, Any], image_token_id: int | None) -> torch.
 def image_key(key: SampleKey, i: int, n: int) -> str:
     """Name of image ``i`` of ``n`` of a sample: ``"source:index"``, or ``"source:index#i"`` when n > 1."""
     return str(key) if n == 1 else f"{key}#{i}"
+
+
+def bucket_inputs(plan: Plan, bucket: int) -> dict[str, set[int]]:
+    """source -> sample indices that :meth:`DataConstructor.build` reads for ``bucket``: its
+    backbone entries, and the encoder-bucket entries of its ranks when the plan has an encoder module."""
+    def rows_of(p: Plan, mask) -> dict[str, set[int]]:
+        recs, rows = p.records, p.entries["row"][mask]
+        out: dict[str, set[int]] = {}
+        for sid, idx in zip(recs.source_id[rows].tolist(), recs.index[rows].tolist()):
+            out.setdefault(recs.sources[sid], set()).add(int(idx))
+        return out
+
+    need = rows_of(plan, plan.entries["bucket"] == bucket)
+    encoder = plan.modules.get("encoder")
+    if encoder is not None:
+        ebs = {encoder.bucket_of(r) for r in plan.buckets[bucket] if encoder.delivery(r) != "none"}
+        e = encoder.entries
+        first = (e["piece"] == 0) & (e["shard"] == 0)
+        for src, idx in rows_of(encoder, first & np.isin(e["bucket"], list(ebs))).items():
+            need.setdefault(src, set()).update(idx)
+    return need
 
 
 # -- one microbatch ---------------------------------------------------------------------------

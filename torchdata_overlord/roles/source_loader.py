@@ -25,18 +25,19 @@ from ..plane.records import BufferMeta
 from ..sources.parquet import SKIPPED
 from .constructor import sequence_length
 
-__all__ = ["SourceLoader"]
+__all__ = ["SourceLoader", "record_bytes"]
 
 log = logging.getLogger("torchdata_overlord")
 
 
-def _nbytes(record: Any) -> int:
+def record_bytes(record: Any) -> int:
+    """Approximate bytes of a sample record (tensor storage, strings, 8 per other leaf)."""
     if isinstance(record, torch.Tensor):
         return record.numel() * record.element_size()
     if isinstance(record, dict):
-        return sum(_nbytes(v) for v in record.values())
+        return sum(record_bytes(v) for v in record.values())
     if isinstance(record, (list, tuple)):
-        return sum(_nbytes(v) for v in record)
+        return sum(record_bytes(v) for v in record)
     if isinstance(record, (bytes, bytearray, str)):
         return len(record)
     return 8
@@ -175,7 +176,7 @@ class SourceLoader(BaseNode[tuple]):
     @property
     def buffer_bytes(self) -> int:
         """Bytes of buffered records plus the Arrow row group the source holds."""
-        return sum(_nbytes(entry[0]) for entry in self._buffer.values()) + self.source.buffer_bytes
+        return sum(record_bytes(entry[0]) for entry in self._buffer.values()) + self.source.buffer_bytes
 
     def close(self) -> None:
         if self._pool is not None:

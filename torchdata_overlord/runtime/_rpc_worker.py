@@ -1,13 +1,20 @@
-"""What runs inside an RpcTransport worker process: the actor registry and the RPC entry points.
+"""What runs in every process of an RPC group: the actor registry, ordered dispatch, and calls out.
 
-Each actor has its own thread; calls carry a per-actor sequence number from the caller, and the
-actor thread runs them strictly in that order (RPC requests may arrive on different TensorPipe
-threads out of order). ``_invoke`` is an ``async_execution`` function: it only queues the call
-and returns a future, so a slow actor never holds an RPC thread.
+Each actor has its own thread. Calls carry ``(caller, seq)``: a sequence number per calling process
+and target actor, so the actor runs each caller's calls strictly in the order they were made (RPC
+requests may arrive on different TensorPipe threads out of order), and different callers' calls in
+arrival order. ``_invoke`` is an ``async_execution`` function: it only queues the call and returns a
+future, so a slow actor never holds an RPC thread. A method may return a
+:class:`concurrent.futures.Future` (a *deferred* result, e.g. "the step once it is built"): the
+actor thread moves on and the caller is answered when that future completes. A call that arrives
+before its actor exists waits for it (roles are created by one process while others already call).
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures as cf
+import itertools
 import os
 import pickle
 import threading
@@ -17,16 +24,35 @@ import warnings
 import torch
 import torch.distributed.rpc as rpc
 
+from .transport import ActorDied, ActorError, CallTimeout, name_exception, settle
+
 #: the one Gloo deprecation warning every ``init_rpc`` prints (torch 2.14.1)
 GLOO_WARNING = r"You are using a Backend .* as a ProcessGroup"
 #: interface environment for TensorPipe and Gloo: loopback only
 LOOPBACK_ENV = {"TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+_DEAD_PEER = ("eof", "econnrefused", "connection reset", "connection refused", "broken pipe", "shutdown")
+_TIMEOUT = ("timeout", "timed out", "ran for more than")
+
+
+def worker_name(i: int) -> str:
+    return f"overlord-worker-{i}"
+
+
+def client_name(c: int) -> str:
+    return f"overlord-client-{c}"
 
 
 def backend_options(init_method: str, rpc_timeout: float) -> rpc.TensorPipeRpcBackendOptions:
     # uv (TCP) transport and the basic channel only: no shared-memory or multiplexed-uv listeners
     return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=rpc_timeout,
-                                           num_worker_threads=8, _transports=["uv"], _channels=["basic"])
+                                           num_worker_threads=16, _transports=["uv"], _channels=["basic"])
+
+
+def init_rpc(name: str, rank: int, world_size: int, init_method: str, rpc_timeout: float) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=GLOO_WARNING, category=UserWarning)
+        rpc.init_rpc(name, rank=rank, world_size=world_size,
+                     rpc_backend_options=backend_options(init_method, rpc_timeout))
 
 
 class Failure:
@@ -42,73 +68,186 @@ class Failure:
         except Exception:
             self.exc_bytes = None
 
+    def rebuild(self, actor: str, method: str) -> BaseException:
+        """The original exception (its type kept where it unpickles), naming the actor and method."""
+        exc = None
+        if self.exc_bytes is not None:
+            try:
+                exc = pickle.loads(self.exc_bytes)
+            except Exception:
+                exc = None
+        if exc is None:
+            exc = ActorError(f"{self.type_name}: {self.text}")
+        exc = name_exception(exc, actor, method)
+        exc.add_note("remote traceback:\n" + self.remote_traceback)
+        return exc
+
+
+def _outcome(f: cf.Future):
+    try:
+        return f.result()
+    except BaseException as e:              # noqa: BLE001 - delivered to the caller
+        return Failure(e)
+
 
 class _Actor:
-    def __init__(self, name: str, obj: object):
-        self.name, self.obj = name, obj
+    _UNSET = object()
+
+    def __init__(self, name: str):
+        self.name, self.obj, self.failure = name, self._UNSET, None
         self.cv = threading.Condition()
-        self.pending: dict[int, tuple] = {}
-        self.next_seq = 0
+        self.pending: dict[str, dict[int, tuple]] = collections.defaultdict(dict)   # caller -> seq -> call
+        self.next_seq: dict[str, int] = collections.defaultdict(int)
+        self.ready: collections.deque = collections.deque()
         self.thread = threading.Thread(target=self._run, name=f"overlord-actor-{name}", daemon=True)
         self.thread.start()
 
-    def submit(self, seq: int, method: str, args, kwargs) -> torch.futures.Future:
+    def set(self, obj=_UNSET, failure: Failure | None = None) -> None:
+        with self.cv:
+            self.obj, self.failure = obj, failure
+            self.cv.notify_all()
+
+    def submit(self, caller: str, seq: int, method: str, args, kwargs) -> torch.futures.Future:
         fut = torch.futures.Future()
         with self.cv:
-            self.pending[seq] = (fut, method, args, kwargs)
-            self.cv.notify()
+            mine = self.pending[caller]
+            mine[seq] = (fut, method, args, kwargs)
+            nxt = self.next_seq[caller]
+            while nxt in mine:
+                self.ready.append(mine.pop(nxt))
+                nxt += 1
+            self.next_seq[caller] = nxt
+            self.cv.notify_all()
         return fut
 
     def _run(self) -> None:
         while True:
             with self.cv:
-                while self.next_seq not in self.pending:
+                while not self.ready or (self.obj is self._UNSET and self.failure is None):
                     self.cv.wait()
-                fut, method, args, kwargs = self.pending.pop(self.next_seq)
-                self.next_seq += 1
+                fut, method, args, kwargs = self.ready.popleft()
+            if self.failure is not None:
+                fut.set_result(self.failure)
+                continue
             try:
                 result = getattr(self.obj, method)(*args, **kwargs)
             except BaseException as e:      # noqa: BLE001 - delivered to the caller
                 result = Failure(e)
-            fut.set_result(result)
+            if isinstance(result, cf.Future):
+                result.add_done_callback(lambda f, fut=fut: fut.set_result(_outcome(f)))
+            else:
+                fut.set_result(result)
 
 
 _ACTORS: dict[str, _Actor] = {}
+_ACTORS_LOCK = threading.Lock()
 
 
-def _create(name: str, factory, args, kwargs) -> None:
+def _actor(name: str) -> _Actor:
+    with _ACTORS_LOCK:
+        actor = _ACTORS.get(name)
+        if actor is None:
+            actor = _ACTORS[name] = _Actor(name)
+        return actor
+
+
+def _create(name: str, factory, args, kwargs):
+    actor = _actor(name)
+    if actor.obj is not _Actor._UNSET:
+        return Failure(KeyError(f"an actor named {name!r} already exists on {rpc.get_worker_info().name}"))
     try:
         obj = factory(*args, **kwargs)
     except BaseException as e:             # noqa: BLE001
-        return Failure(e)
-    _ACTORS[name] = _Actor(name, obj)
+        failure = Failure(e)
+        actor.set(failure=failure)
+        return failure
+    actor.set(obj)
     return None
 
 
 @rpc.functions.async_execution
-def _invoke(name: str, seq: int, method: str, args, kwargs) -> torch.futures.Future:
-    actor = _ACTORS.get(name)
-    if actor is None:
-        fut = torch.futures.Future()
-        fut.set_result(Failure(KeyError(f"no actor named {name!r} on {rpc.get_worker_info().name}")))
-        return fut
-    return actor.submit(seq, method, args, kwargs)
+def _invoke(name: str, caller: str, seq: int, method: str, args, kwargs) -> torch.futures.Future:
+    return _actor(name).submit(caller, seq, method, args, kwargs)
 
 
-def _watch_master(conn) -> None:
-    """Exit this process as soon as the master closes its end of the pipe (stop, crash, kill)."""
+def _exit_now(code: int = 0) -> None:
+    """Abort this process at once (a fault path: the job is being torn down)."""
+    threading.Timer(0.05, os._exit, args=(code,)).start()
+
+
+# ------------------------------------------------------------------------------ calls out
+
+_SEQ: dict[str, itertools.count] = {}
+_SEQ_LOCK = threading.Lock()
+
+
+def map_error(e: BaseException, actor: str, method: str, timeout: float) -> BaseException:
+    """An RPC-level failure as CallTimeout (no answer in time) or ActorDied (peer gone)."""
+    text = str(e).lower()
+    if any(s in text for s in _TIMEOUT):
+        return CallTimeout(f"{actor}.{method}() got no answer within its timeout of {timeout:g} s")
+    if any(s in text for s in _DEAD_PEER):
+        return ActorDied(f"actor {actor!r} is unreachable, its process is gone ({method}()): {e}")
+    return ActorError(f"{actor}.{method}() failed in the transport: {type(e).__name__}: {e}")
+
+
+def call_actor(worker: str, actor: str, method: str, args, kwargs, timeout: float,
+               on_error=map_error) -> cf.Future:
+    """Call ``actor.method(*args, **kwargs)`` on RPC worker ``worker``; a concurrent future."""
+    with _SEQ_LOCK:
+        seq = next(_SEQ.setdefault(actor, itertools.count()))
+    caller = rpc.get_worker_info().name
+    out: cf.Future = cf.Future()
+    try:
+        fut = rpc.rpc_async(worker, _invoke, args=(actor, caller, seq, method, args, kwargs), timeout=timeout)
+    except BaseException as e:             # noqa: BLE001
+        settle(out, exc=on_error(e, actor, method, timeout))
+        return out
+
+    def done(f):
+        try:
+            result = f.value()
+        except BaseException as e:         # noqa: BLE001
+            settle(out, exc=on_error(e, actor, method, timeout))
+            return
+        if isinstance(result, Failure):
+            settle(out, exc=result.rebuild(actor, method))
+        else:
+            settle(out, result)
+
+    fut.add_done_callback(done)
+    return out
+
+
+class RpcPeers:
+    """Calls from any process of the group to actors by name (``placement``: actor -> RPC worker name).
+
+    Picklable: a role receives one to talk to the other roles (a loader to its constructors).
+    """
+
+    def __init__(self, placement: dict[str, str]):
+        self.placement = dict(placement)
+
+    def call(self, name: str, method: str, *args, timeout: float, **kwargs) -> cf.Future:
+        return call_actor(self.placement[name], name, method, args, kwargs, timeout)
+
+
+# ------------------------------------------------------------------------------ role worker processes
+
+def _watch_parent(conn) -> None:
+    """Exit this process as soon as the process that started it closes its end of the pipe."""
     try:
         conn.recv()
-    except BaseException:                   # noqa: BLE001 - EOF: the master is gone
+    except BaseException:                   # noqa: BLE001 - EOF: the parent is gone
         pass
     os._exit(0)
 
 
-def worker_main(rank: int, world_size: int, init_method: str, rpc_timeout: float, conn) -> None:
-    os.environ.update(LOOPBACK_ENV)
-    threading.Thread(target=_watch_master, args=(conn,), name="overlord-master-watch", daemon=True).start()
-    warnings.filterwarnings("ignore", message=GLOO_WARNING, category=UserWarning)
-    rpc.init_rpc(f"overlord-worker-{rank}", rank=rank, world_size=world_size,
-                 rpc_backend_options=backend_options(init_method, rpc_timeout))
-    rpc.shutdown(graceful=True)             # serves calls until the master shuts down too
+def worker_main(name: str, rank: int, world_size: int, init_method: str, rpc_timeout: float, conn,
+                env: dict | None = None) -> None:
+    """A role worker: join the group, host actors until every member shuts down, then exit."""
+    os.environ.update(LOOPBACK_ENV if env is None else env)
+    threading.Thread(target=_watch_parent, args=(conn,), name="overlord-parent-watch", daemon=True).start()
+    init_rpc(name, rank, world_size, init_method, rpc_timeout)
+    rpc.shutdown(graceful=True)             # serves calls until the whole group shuts down
     os._exit(0)

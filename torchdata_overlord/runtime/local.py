@@ -9,6 +9,7 @@ same step without talking to the others and builds only its own bucket.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
@@ -51,8 +52,9 @@ class SourceExhausted(OverlordError, StopIteration):
 @dataclass
 class StepResult:
     step: int
-    plan: Plan
+    plan: Plan | None
     outputs: dict            # rank -> what that client receives (see DataConstructor.build)
+    state: dict | None = None   # the job's state after this step (from ``submit``)
 
 
 class LocalJob:
@@ -109,6 +111,18 @@ class LocalJob:
             built = self.constructor.build(plan, b, samples)
             outputs.update({r: built[r] for r in wanted if r in built})
         return StepResult(step, plan, outputs)
+
+    def submit(self, ranks: Iterable[int] | None = None, consumed: int | None = None) -> cf.Future:
+        """The next step with the job's state after it, as a completed future (RpcJob's interface;
+        ``consumed`` only matters where several clients share the roles)."""
+        out: cf.Future = cf.Future()
+        try:
+            res = self.step(ranks)
+            res.state = self.state_dict()
+            out.set_result(res)
+        except BaseException as e:          # noqa: BLE001 - delivered through the future
+            out.set_exception(e)
+        return out
 
     def _stage(self, plan: Plan) -> dict:
         """Take every sampled record of the step out of its loader (dropped ones too: consumed)."""

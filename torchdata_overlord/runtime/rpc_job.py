@@ -1,22 +1,27 @@
-"""RpcJob: LocalJob's roles as actors in worker processes, driven from the caller's process.
+"""RpcJob: the roles as actors in their own processes, and this process as one of the job's clients.
 
 Same public surface and the same results as :class:`~torchdata_overlord.runtime.local.LocalJob`
 (same seed and inputs: bit-identical outputs, and the two jobs' ``state_dict`` formats are the
-same, so a state of one loads into the other). Placement: one Source Loader actor per source
-(``"loader:<name>"``) spread round-robin over the workers, the ``"planner"`` actor on worker 0 and
-one ``"constructor"`` actor on the last worker. One step:
+same, so a state of one loads into the other). The roles and the protocol of a step are in
+:mod:`~torchdata_overlord.runtime.actors`: the Planner actor, one Source Loader actor per source and
+one Data Constructor actor per DP group (``constructors=``), placed one role per worker process by
+default (``n_workers=`` fewer puts several roles in one process). Samples go from the loaders to the
+constructors and from the constructors to the clients; the Planner sees metadata only.
 
-1. every loader's ``metadata()`` (all calls issued, then waited on): only ``BufferMeta`` travels;
-2. ``planner.plan(metas, feedback)`` gives the step's Plan (it pickles: it is plain data);
-3. every loader's ``take(indices)`` (in parallel) returns its planned records (tensors over RPC);
-4. the constructor actor builds the requested ranks' buckets from the plan and the staged samples.
+Where the processes come from:
+
+* default: this process starts the workers on this machine (loopback only) and is the only client;
+* ``group=``: every process of a ``torch.distributed`` group (the trainer ranks) is a client; group
+  rank 0 starts the workers and hands the rendezvous to the others over the group;
+* ``address="host:port"``: the workers were started by ``python -m torchdata_overlord.launch`` on the
+  data nodes; this process joins as client ``client`` (its trainer rank);
+* ``transport=``: actors placed by a given transport (an :class:`~torchdata_overlord.runtime.transport.
+  InProcessTransport` runs the same code in this process, for tests and debugging).
 
 Every call carries ``timeout`` seconds. Sources are rebuilt inside the workers from a
-:class:`SourceSpec` (a used ParquetSource holds open Arrow files and does not pickle); the
-strategy, transforms and mesh must pickle (a strategy defined at module level does, a closure
-or lambda does not). torch.distributed.rpc can be initialised once per process, so a process can
-run one RpcJob with the default transport; pass ``transport=`` to place the actors elsewhere (an
-:class:`~torchdata_overlord.runtime.transport.InProcessTransport` runs the same code in this process).
+:class:`SourceSpec` (a used ParquetSource holds open Arrow files and does not pickle); the strategy,
+transforms and mesh must pickle (a strategy defined at module level does, a closure or lambda does not).
+torch.distributed.rpc can be initialised once per process, so a process can be in one RpcJob.
 """
 
 from __future__ import annotations
@@ -27,27 +32,16 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-import numpy as np
-
-from ..errors import BufferShortageError, ConfigError
+from ..errors import ConfigError
 from ..plane.place_tree import ClientPlaceTree
-from ..plane.plan import Plan
-from ..plane.records import SampleKey
-from ..roles.constructor import DataConstructor
-from ..roles.planner import Planner
-from ..roles.source_loader import SourceLoader
 from ..sources.parquet import ParquetSource
-from .local import LocalJob, SourceExhausted, StepResult, source_settings
+from .actors import (PLANNER, ConstructorActor, LoaderActor, PlannerActor, constructor_actor, gather, loader_actor,
+                     role_names)
+from .local import LocalJob, StepResult, source_settings
 from .procstats import process_memory
-from .transport import Transport
+from .transport import Transport, settle
 
-__all__ = ["RpcJob", "SourceSpec"]
-
-PLANNER, CONSTRUCTOR = "planner", "constructor"
-
-
-def loader_actor(name: str) -> str:
-    return f"loader:{name}"
+__all__ = ["RpcJob", "SourceSpec", "RoleConfig", "start_roles"]
 
 
 @dataclass
@@ -86,197 +80,310 @@ class SourceSpec:
         return src
 
 
-class _LoaderActor:
-    """A SourceLoader over a source rebuilt from its spec, in the worker."""
+@dataclass
+class RoleConfig:
+    """Everything needed to start a job's roles (checked here, before any process starts)."""
 
-    def __init__(self, spec: SourceSpec, buffer_size: int, workers: int, image_token_id: int | None):
-        self.loader = SourceLoader(spec.build(), buffer_size, workers, image_token_id)
+    specs: list
+    strategy: Callable
+    mesh: ClientPlaceTree
+    global_batch: int
+    seq_len: int | None
+    seed: int = 0
+    buffer_size: Any = None
+    workers: Any = 0
+    image_token_id: int | None = None
+    pad_id: int = 0
+    ignore_index: int = -100
+    constructors: int | None = None
+    clients: int = 1
+    timeout: float = 60.0
 
-    def metadata(self):
-        return self.loader.metadata()
+    def __post_init__(self) -> None:
+        self.specs = [SourceSpec.from_source(s) for s in self.specs]
+        self.get = source_settings(self.names)
+        if not isinstance(self.mesh, ClientPlaceTree):
+            raise ConfigError(f"mesh must be a ClientPlaceTree, got {type(self.mesh).__name__}")
+        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise ConfigError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
+        dp = self.mesh.sizes.get("dp", 1)
+        if self.constructors is None:
+            self.constructors = dp
+        c = self.constructors
+        if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= dp or dp % c:
+            raise ConfigError(f"constructors={c!r} does not fit the mesh ({self.mesh.describe()}): give a divisor of "
+                              f"dp={dp} (one Data Constructor per DP group is {dp}; fewer share groups)")
+        if isinstance(self.clients, bool) or not isinstance(self.clients, int) or not 1 <= self.clients:
+            raise ConfigError(f"clients must be an integer >= 1, got {self.clients!r}")
+        try:
+            pickle.dumps(self.strategy)
+        except Exception as e:          # noqa: BLE001
+            raise ConfigError(f"the rpc runtime runs the strategy in a worker process, so it must pickle (define it "
+                              f"at module level, not as a closure or lambda): {type(e).__name__}: {e}") from e
 
-    def take(self, indices: list) -> dict:
-        return self.loader.take(indices)
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
 
-    def exhausted(self) -> bool:
-        return bool(self.loader.exhausted)
+    @property
+    def roles(self) -> list[str]:
+        return role_names(self.names, self.constructors)
 
-    def stats(self) -> dict:
-        return self.loader.stats()
+    def placement(self, n_workers: int) -> dict[str, int]:
+        """actor -> worker index: role ``j`` (Planner, loaders, constructors) on worker ``j % n_workers``."""
+        return {a: j % n_workers for j, a in enumerate(self.roles)}
 
-    def get_state(self) -> dict:
-        return self.loader.get_state()
-
-    def reset(self, state: dict) -> None:
-        self.loader.reset(state)
-
-    def close(self) -> None:
-        self.loader.close()
+    def fingerprint(self) -> dict:
+        """What a client must agree on with the roles it joins."""
+        return {"sources": self.names, "mesh": self.mesh.to_dict(), "global_batch": self.global_batch,
+                "seq_len": self.seq_len, "seed": self.seed, "image_token_id": self.image_token_id,
+                "constructors": self.constructors, "clients": self.clients}
 
 
-class _ConstructorActor:
-    """One DataConstructor building every requested bucket of a step in one call."""
+def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1) -> None:
+    """Start every role of ``cfg`` on ``transport`` (placed by :meth:`RoleConfig.placement` when the
+    transport places actors) and connect them to each other."""
+    placed = hasattr(transport, "worker_of")
+    where = cfg.placement(n_workers)
 
-    def __init__(self, seq_len, pad_id, ignore_index, image_token_id):
-        self.constructor = DataConstructor(seq_len, pad_id=pad_id, ignore_index=ignore_index,
-                                           image_token_id=image_token_id)
+    def start(name, factory, *args):
+        transport.start_actor(name, factory, *args, **({"worker": where[name]} if placed else {}))
 
-    def build(self, plan: Plan, wanted: list, samples: Mapping) -> dict:
-        samples = {SampleKey(*k): v for k, v in samples.items()}
-        outputs = {}
-        for b in sorted({plan.bucket_of(r) for r in wanted}):
-            built = self.constructor.build(plan, b, samples)
-            outputs.update({r: built[r] for r in wanted if r in built})
-        return outputs
+    start(PLANNER, PlannerActor, cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors,
+          cfg.clients, cfg.timeout)
+    for spec in cfg.specs:
+        start(loader_actor(spec.name), LoaderActor, spec, cfg.get(cfg.buffer_size, spec.name, cfg.global_batch),
+              cfg.get(cfg.workers, spec.name, 0), cfg.image_token_id, cfg.timeout)
+    for c in range(cfg.constructors):
+        start(constructor_actor(c), ConstructorActor, c, cfg.seq_len, cfg.pad_id, cfg.ignore_index, cfg.image_token_id)
+    peers = transport.peers()
+    gather({a: transport.call(a, "connect", peers, timeout=cfg.timeout)
+            for a in [PLANNER] + [loader_actor(n) for n in cfg.names]}, cfg.timeout)
 
 
 class RpcJob:
     """``RpcJob(sources, strategy, mesh, global_batch, seq_len, seed=0, buffer_size=None, workers=0,
-    image_token_id=None, pad_id=0, ignore_index=-100, n_workers=2, timeout=60.0, startup_timeout=60.0,
-    transport=None)``: LocalJob's API (``step``, ``state_dict``, ``load_state_dict``, ``add_feedback``,
-    ``step_index``, ``close``, context manager) with the roles in RPC worker processes."""
+    image_token_id=None, pad_id=0, ignore_index=-100, n_workers=None, *, constructors=None, timeout=60,
+    startup_timeout=60, stop_timeout=10, transport=None, group=None, address=None, client=None)``:
+    LocalJob's API (``step``, ``submit``, ``state_dict``, ``load_state_dict``, ``add_feedback``,
+    ``step_index``, ``stats``, ``close``, context manager) with the roles in worker processes.
+    ``n_workers=None`` gives every role its own process."""
 
     PLANNER, LOADERS, FEEDBACK = LocalJob.PLANNER, LocalJob.LOADERS, LocalJob.FEEDBACK
 
     def __init__(self, sources: Iterable, strategy: Callable, mesh: ClientPlaceTree, global_batch: int,
                  seq_len: int | None, seed: int = 0, buffer_size: int | Mapping[str, int] | None = None,
                  workers: int | Mapping[str, int] = 0, image_token_id: int | None = None, pad_id: int = 0,
-                 ignore_index: int = -100, n_workers: int = 2, *, timeout: float = 60.0,
-                 startup_timeout: float = 60.0, transport: Transport | None = None):
-        specs = [SourceSpec.from_source(s) for s in sources]
-        names = [s.name for s in specs]
-        per_source = source_settings(names)
-        if not isinstance(mesh, ClientPlaceTree):
-            raise ConfigError(f"mesh must be a ClientPlaceTree, got {type(mesh).__name__}")
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ConfigError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-
-        if transport is None or hasattr(transport, "worker_of"):
-            try:
-                pickle.dumps(strategy)
-            except Exception as e:          # noqa: BLE001
-                raise ConfigError(f"RpcJob runs the strategy in a worker process, so it must pickle (define it at "
-                                  f"module level, not as a closure or lambda): {type(e).__name__}: {e}") from e
-        self.mesh, self.names, self.timeout = mesh, names, float(timeout)
-        self.feedback: list[list] = []
-        self._step = 0
+                 ignore_index: int = -100, n_workers: int | None = None, *, constructors: int | None = None,
+                 timeout: float = 60.0, startup_timeout: float = 60.0, stop_timeout: float = 10.0,
+                 transport: Transport | None = None, group=None, address: str | None = None,
+                 client: int | None = None):
+        if sum(x is not None for x in (transport, group, address)) > 1:
+            raise ConfigError("give at most one of transport=, group= and address=")
+        clients = 1
+        if group is not None:
+            import torch.distributed as dist
+            if not dist.is_initialized():
+                raise ConfigError("group= needs torch.distributed initialised (init_process_group) in every trainer")
+            self._pg = None if group in (True, "default") else group
+            clients = dist.get_world_size(self._pg)
+        cfg = RoleConfig(list(sources), strategy, mesh, global_batch, seq_len, seed, buffer_size, workers,
+                         image_token_id, pad_id, ignore_index, constructors, clients, timeout)
+        if n_workers is None:
+            n_workers = len(cfg.roles)
+        if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
+            raise ConfigError(f"n_workers must be an integer >= 1 (or None: one process per role), got {n_workers!r}")
+        self.cfg, self.mesh, self.names, self.timeout = cfg, mesh, cfg.names, float(timeout)
+        self.n_workers = n_workers
         self._closed = False
         self._own_transport = transport is None
-        if transport is None:
-            from .rpc_transport import RpcTransport
-            transport = RpcTransport(n_workers, startup_timeout=startup_timeout, rpc_timeout=self.timeout)
-        self.transport = transport
-        placed = hasattr(transport, "worker_of")          # RpcTransport takes worker=; others place themselves
-        n = getattr(transport, "n_workers", 1)
-
-        def where(i):
-            return {"worker": i % n} if placed else {}
-
+        self._gen: int | None = None
+        self._next = 0
+        self._feedback_futs: list[cf.Future] = []
+        self.transport = None
         try:
-            transport.start_actor(PLANNER, Planner, strategy, mesh, global_batch, seed=seed, **where(0))
-            for i, spec in enumerate(specs):
-                transport.start_actor(loader_actor(spec.name), _LoaderActor, spec,
-                                      per_source(buffer_size, spec.name, global_batch),
-                                      per_source(workers, spec.name, 0), image_token_id, **where(i))
-            transport.start_actor(CONSTRUCTOR, _ConstructorActor, seq_len, pad_id, ignore_index, image_token_id,
-                                  **where(n - 1))
+            if transport is not None:
+                self.client = 0
+                self.transport = transport
+                start_roles(transport, cfg, getattr(transport, "n_workers", 1))
+            elif group is not None:
+                self._start_in_group(startup_timeout, stop_timeout)
+            elif address is not None:
+                from .rendezvous import join_launched
+                self.client = 0 if client is None else client
+                self.transport = join_launched(address, cfg, self.client, startup_timeout, stop_timeout)
+            else:
+                from .rpc_transport import RpcTransport
+                self.client = 0
+                self.transport = RpcTransport(n_workers, startup_timeout=startup_timeout, rpc_timeout=self.timeout,
+                                              stop_timeout=stop_timeout)
+                start_roles(self.transport, cfg, n_workers)
         except BaseException:
             self.close()
             raise
+
+    def _start_in_group(self, startup_timeout: float, stop_timeout: float) -> None:
+        """Group rank 0 starts the workers and broadcasts the rendezvous; every rank joins as a client."""
+        import torch.distributed as dist
+
+        from .rpc_transport import RpcTransport, TransportStartupError
+
+        pg = self._pg
+        self.client = dist.get_rank(pg)
+        src = dist.get_global_rank(pg, 0) if pg is not None else 0
+        if self.client == 0:
+            sent = []
+
+            def publish(rendezvous):
+                dist.broadcast_object_list([{"rendezvous": rendezvous}], src=src, group=pg)
+                sent.append(True)
+
+            try:
+                self.transport = RpcTransport(self.n_workers, clients=self.cfg.clients, startup_timeout=startup_timeout,
+                                              rpc_timeout=self.timeout, stop_timeout=stop_timeout, on_rendezvous=publish)
+            except BaseException as e:
+                if not sent:            # the others wait in the broadcast: tell them why nothing comes
+                    dist.broadcast_object_list([{"error": f"{type(e).__name__}: {e}"}], src=src, group=pg)
+                raise
+            start_roles(self.transport, self.cfg, self.n_workers)
+        else:
+            box = [None]
+            dist.broadcast_object_list(box, src=src, group=pg)
+            if "error" in box[0]:
+                raise TransportStartupError(f"trainer rank 0 could not start the data plane's roles: {box[0]['error']}")
+            self.transport = RpcTransport.join(box[0]["rendezvous"], self.client, startup_timeout=startup_timeout,
+                                               stop_timeout=stop_timeout)
+            self.transport.place(self.cfg.placement(self.n_workers))
 
     # ------------------------------------------------------------------------------ calls
 
     def _call(self, actor: str, method: str, *args):
         return self.transport.call(actor, method, *args, timeout=self.timeout)
 
-    def _gather(self, futs: dict) -> dict:
-        """Wait for every future (issued together), then return their results or raise the first error."""
-        cf.wait(list(futs.values()), timeout=self.timeout + 5)
-        return {k: f.result(timeout=5) for k, f in futs.items()}
-
-    def _on_loaders(self, method: str, args: Mapping[str, tuple] | None = None) -> dict:
-        return self._gather({n: self._call(loader_actor(n), method, *((args or {}).get(n, ())))
-                             for n in self.names})
+    def _attach(self, state: Mapping | None, step: int) -> None:
+        got = self._call(PLANNER, "attach", self.client, state if self.client == 0 else None, step)
+        reply = got.result(self.timeout + 5)
+        self._gen, self._next = reply["gen"], reply["step"]
 
     # ------------------------------------------------------------------------------ LocalJob API
 
+    @property
+    def is_leader(self) -> bool:
+        """Whether this client's feedback and loaded states drive the job (client 0)."""
+        return self.client == 0
+
     def add_feedback(self, step: int, values: Mapping[str, float]) -> None:
-        if step < self._step:
-            raise ConfigError(f"feedback for step {step} comes too late: step {self._step} is next to plan")
-        self.feedback.append([int(step), {str(k): float(v) for k, v in values.items()}])
+        """Send feedback to the Planner (from the leader; other clients' feedback is not sent, the
+        trainer ranks are expected to agree on it, e.g. an all-reduced loss)."""
+        if not self.is_leader:
+            return
+        self._check_feedback()
+        self._feedback_futs.append(self._call(PLANNER, "add_feedback", int(step),
+                                              {str(k): float(v) for k, v in values.items()}))
+
+    def _check_feedback(self) -> None:
+        done = [f for f in self._feedback_futs if f.done()]
+        self._feedback_futs = [f for f in self._feedback_futs if not f.done()]
+        for f in done:
+            f.result()
 
     @property
     def step_index(self) -> int:
-        return self._step
+        return self._next
+
+    def submit(self, ranks: Iterable[int] | None = None, consumed: int | None = None) -> cf.Future:
+        """Ask for the next step for ``ranks`` (all when None); a future of its :class:`StepResult`
+        (with ``state``, the job's state after it). ``consumed``: steps this client has consumed
+        (default: all before this one), so the roles can free what every client has used."""
+        if self._gen is None:
+            self._attach(None, self._next)
+        self._check_feedback()
+        step = self._next
+        self._next += 1
+        wanted = list(range(self.mesh.world_size)) if ranks is None else [self.mesh._check_rank(int(r)) for r in ranks]
+        gen, out = self._gen, cf.Future()
+        routed = self._call(PLANNER, "ensure", self.client, gen, step, step if consumed is None else int(consumed),
+                            self.is_leader)
+
+        def on_route(f: cf.Future) -> None:
+            try:
+                info = f.result()
+                by_c: dict[int, list] = {}
+                for r in wanted:
+                    by_c.setdefault(info["routing"][r], []).append(r)
+                parts = [self._call(constructor_actor(c), "fetch", gen, step, rs) for c, rs in by_c.items()]
+            except BaseException as e:     # noqa: BLE001
+                settle(out, exc=e)
+                return
+            remaining = [len(parts)]
+
+            def on_part(_):
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+                try:
+                    outputs = {}
+                    for p in parts:
+                        outputs.update(p.result(0))
+                    settle(out, StepResult(step, info["plan"], {r: outputs[r] for r in wanted}, info["state"]))
+                except BaseException as e:  # noqa: BLE001
+                    settle(out, exc=e)
+
+            for p in parts:
+                p.add_done_callback(on_part)
+            if not parts:
+                settle(out, StepResult(step, info["plan"], {}, info["state"]))
+
+        routed.add_done_callback(on_route)
+        return out
 
     def step(self, ranks: Iterable[int] | None = None) -> StepResult:
         """Plan and build the next step for ``ranks`` (all ranks when None)."""
-        metas = self._on_loaders("metadata")
-        step = self._step
-        due = [v for s, v in self.feedback if s == step]
-        try:
-            plan = self._call(PLANNER, "plan", [metas[n] for n in self.names], due).result(self.timeout + 5)
-        except BufferShortageError as e:
-            done = [n for n, ex in self._on_loaders("exhausted").items() if ex]
-            if done:
-                raise SourceExhausted(f"step {step}: source(s) {done} finished their configured epochs; the stream "
-                                      f"ends here ({e})") from e
-            raise
-        self._step = step + 1
-        self.feedback = [f for f in self.feedback if f[0] > step]
-        recs = plan.records
-        wanted_idx = {name: np.asarray(recs.index[recs.source_id == sid]).tolist()
-                      for sid, name in enumerate(recs.sources)}
-        wanted_idx = {n: i for n, i in wanted_idx.items() if i}
-        taken = self._gather({n: self._call(loader_actor(n), "take", idx) for n, idx in wanted_idx.items()})
-        samples = {(n, i): rec for n, got in taken.items() for i, rec in got.items()}
-        wanted = list(range(self.mesh.world_size)) if ranks is None else [int(r) for r in ranks]
-        outputs = self._call(CONSTRUCTOR, "build", plan, wanted, samples).result(self.timeout + 5)
-        return StepResult(step, plan, outputs)
+        return self.submit(ranks).result(self.timeout + 10)
 
     def state_dict(self) -> dict:
-        futs = {n: self._call(loader_actor(n), "get_state") for n in self.names}
-        futs[None] = self._call(PLANNER, "state_dict")
-        got = self._gather(futs)
-        return {self.PLANNER: got.pop(None), self.LOADERS: {n: got[n] for n in self.names},
-                self.FEEDBACK: [[s, dict(v)] for s, v in self.feedback]}
+        """The job's state at the Planner's current position (no step in flight)."""
+        return self._call(PLANNER, "state_dict").result(self.timeout + 5)
 
     def load_state_dict(self, state: Mapping) -> None:
+        """Restart at ``state`` (the leader resets every role; another client checks it starts at the
+        same step as the leader)."""
         theirs, ours = set(state[self.LOADERS]), set(self.names)
         if theirs != ours:
             raise ConfigError(f"state has sources {sorted(theirs)}, this job has {sorted(ours)}")
-        self._call(PLANNER, "load_state_dict", dict(state[self.PLANNER])).result(self.timeout + 5)
-        self._step = int(state[self.PLANNER][Planner.STEP])
-        self.feedback = [[int(s), dict(v)] for s, v in state.get(self.FEEDBACK, [])]
-        self._on_loaders("reset", {n: (state[self.LOADERS][n],) for n in self.names})
+        self._attach(dict(state), int(state[self.PLANNER]["step"]))
 
     def stats(self) -> dict:
-        """Per-source loader stats (asked of the actors), each role's process, and their memory."""
-        sources = self._on_loaders("stats")
-        actors = [PLANNER, CONSTRUCTOR] + [loader_actor(n) for n in self.names]
-        if hasattr(self.transport, "worker_of"):
-            pids = self.transport.worker_pids
-            roles = {a: pids[self.transport.worker_of(a)] for a in actors}
-        else:
-            roles = {a: os.getpid() for a in actors}
-        procs = {pid: process_memory(pid) for pid in sorted(set(roles.values()) | {os.getpid()})}
-        return {"sources": sources, "roles": roles, "processes": procs}
+        """Per-source loader stats, per-constructor and Planner queue depths, each role's process and memory."""
+        actors = [PLANNER] + [loader_actor(n) for n in self.names] + \
+            [constructor_actor(c) for c in range(self.cfg.constructors)]
+        got = gather({("stats", a): self._call(a, "stats") for a in actors} |
+                     {("process", a): self._call(a, "process") for a in actors}, self.timeout)
+        roles = {a: got["process", a]["pid"] for a in actors}
+        procs = {m["pid"]: m for (kind, _), m in got.items() if kind == "process"}
+        procs[os.getpid()] = process_memory()
+        return {"sources": {n: got["stats", loader_actor(n)] for n in self.names},
+                "planner": got["stats", PLANNER],
+                "constructors": {a: got["stats", a] for a in actors if a.startswith("constructor:")},
+                "roles": roles, "processes": procs}
 
     def close(self) -> None:
-        """Close the loaders (bounded by the timeout, errors ignored), then stop our transport."""
+        """Close the loaders (leader; bounded by the timeout, errors ignored), then leave the group."""
         if self._closed:
             return
         self._closed = True
         try:
-            futs = []
-            for n in self.names:
-                try:
-                    futs.append(self.transport.call(loader_actor(n), "close", timeout=self.timeout))
-                except Exception:        # noqa: BLE001 - the actor may never have started
-                    pass
-            cf.wait(futs, timeout=self.timeout + 5)
+            if self.transport is not None and self.client == 0:
+                futs = []
+                for a in [loader_actor(n) for n in self.names] + [constructor_actor(c)
+                                                                   for c in range(self.cfg.constructors)]:
+                    try:
+                        futs.append(self.transport.call(a, "close", timeout=self.timeout))
+                    except Exception:        # noqa: BLE001 - the actor may never have started
+                        pass
+                cf.wait(futs, timeout=self.timeout + 5)
         finally:
-            if self._own_transport:
+            if self._own_transport and self.transport is not None:
                 self.transport.stop()
 
     def __enter__(self) -> "RpcJob":

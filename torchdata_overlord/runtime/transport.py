@@ -15,6 +15,8 @@ Contract, for every transport:
   method may still be running: it is not interrupted), with :class:`ActorDied` when the actor's
   process is gone, and with the method's own exception (its type preserved where it can be
   rebuilt, and a note naming the actor and method) when the method raised.
+* A method may return a :class:`concurrent.futures.Future`: the call is then answered when that
+  completes, and the actor runs its next call meanwhile (e.g. "this step, once it is built").
 * ``stop()`` is idempotent and bounded by timeouts.
 """
 
@@ -67,6 +69,11 @@ class Transport(ABC):
     @abstractmethod
     def stop(self) -> None:
         """Stop every actor; idempotent, never hangs."""
+
+    @abstractmethod
+    def peers(self):
+        """A handle with this ``call`` that actors can hold to call each other (picklable where the
+        actors live in other processes)."""
 
     def __enter__(self):
         return self
@@ -171,7 +178,18 @@ class _ActorThread:
             except BaseException as e:       # noqa: BLE001 - delivered to the caller
                 settle(fut, exc=name_exception(e, self.name, method))
             else:
-                settle(fut, result)
+                if isinstance(result, cf.Future):        # deferred: answered when it completes
+                    result.add_done_callback(lambda f, fut=fut, m=method: _forward(f, fut, self.name, m))
+                else:
+                    settle(fut, result)
+
+
+def _forward(src: cf.Future, dst: cf.Future, actor: str, method: str) -> None:
+    exc = src.exception()
+    if exc is not None:
+        settle(dst, exc=name_exception(exc, actor, method))
+    else:
+        settle(dst, src.result())
 
 
 class InProcessTransport(Transport):
@@ -213,6 +231,9 @@ class InProcessTransport(Transport):
     def is_alive(self, name: str) -> bool:
         actor = self._actors.get(name)
         return actor is not None and not self._closed and actor.thread.is_alive()
+
+    def peers(self) -> "InProcessTransport":
+        return self
 
     def stop(self) -> None:
         import time
