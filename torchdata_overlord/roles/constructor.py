@@ -45,7 +45,7 @@ from ..transforms.cp_split import split_packed, zigzag_indices
 from ..transforms.packing import pack
 
 __all__ = ["DataConstructor", "MissingSampleError", "sequence_length", "sequence_of", "record_images",
-           "image_key", "bucket_inputs"]
+           "image_key", "bucket_inputs", "receives_nothing"]
 
 # packed-row fields that a pipeline stage > 0 keeps (labels/loss_mask only on the last stage)
 _DROP_ON_METADATA = ("input_ids", "pixels")
@@ -116,6 +116,15 @@ def sequence_of(record: Mapping[str, Any], image_token_id: int | None) -> torch.
 def image_key(key: SampleKey, i: int, n: int) -> str:
     """Name of image ``i`` of ``n`` of a sample: ``"source:index"``, or ``"source:index#i"`` when n > 1."""
     return str(key) if n == 1 else f"{key}#{i}"
+
+
+def receives_nothing(plan: Plan, rank: int) -> tuple[bool, object]:
+    """``(True, what build gives rank)`` when ``rank`` gets no data and no metadata this step (a
+    ``broadcast_at`` receiver, also in the encoder module), so a client need not ask; else ``(False, None)``."""
+    encoder = plan.modules.get("encoder")
+    if plan.delivery(rank) != "none" or (encoder is not None and encoder.delivery(rank) != "none"):
+        return False, None
+    return True, (None if encoder is None else {"delivery": "none", "microbatches": None, "encoder": None})
 
 
 def bucket_inputs(plan: Plan, bucket: int) -> dict[str, set[int]]:

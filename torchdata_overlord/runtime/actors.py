@@ -11,7 +11,8 @@ One step ``s`` (paper Fig. 5, the lazy workflow), driven by the Planner actor:
    part arrived, and answers the clients' ``fetch(step, ranks)``.
 
 Clients (trainer processes) ask the Planner to ``ensure(step)``: the reply routes each rank to its
-constructor and carries the job's state after that step (what a checkpoint of the consumed position
+constructor (or gives what a rank that receives nothing gets: a ``broadcast_at`` receiver fetches
+nothing) and carries the job's state after that step (what a checkpoint of the consumed position
 holds). Only the *leader* (client 0) makes the Planner plan: other clients wait for the leader's
 request, so the leader's feedback, sent before its next request, always reaches the plan it is
 meant for and the stream never depends on which client is fastest. A constructor drops a step once
@@ -38,14 +39,14 @@ from ..errors import BufferShortageError, ConfigError, OverlordError
 from ..plane.place_tree import ClientPlaceTree
 from ..plane.plan import Plan
 from ..plane.records import SampleKey
-from ..roles.constructor import DataConstructor, bucket_inputs
+from ..roles.constructor import DataConstructor, bucket_inputs, receives_nothing
 from ..roles.planner import Planner
 from ..roles.source_loader import SourceLoader, record_bytes
 from .local import LocalJob, SourceExhausted
 from .procstats import process_memory
 from .transport import settle
 
-__all__ = ["PlannerActor", "LoaderActor", "ConstructorActor", "JobReset", "PLANNER", "loader_actor",
+__all__ = ["PlannerActor", "LoaderActor", "ConstructorActor", "JobReset", "JobClosed", "PLANNER", "loader_actor",
            "constructor_actor", "role_names"]
 
 log = logging.getLogger("torchdata_overlord")
@@ -69,6 +70,15 @@ class JobReset(OverlordError, RuntimeError):
     """The job was reset (a client loaded a state) after this call's generation began."""
 
 
+class JobClosed(OverlordError, RuntimeError):
+    """The leader closed the job: requests still waiting are answered with this."""
+
+
+def _fail_all(futs, exc: BaseException) -> None:
+    for fut in futs:
+        settle(fut, exc=exc)
+
+
 def gather(futs: Mapping, timeout: float) -> dict:
     """Wait for every future (issued together), then their results, or raise the first error."""
     cf.wait(list(futs.values()), timeout=timeout + 5)
@@ -87,14 +97,11 @@ class _Role:
 class LoaderActor(_Role):
     """A SourceLoader that delivers each step's planned samples straight to the constructors."""
 
-    def __init__(self, spec, buffer_size: int, workers: int, image_token_id: int | None, timeout: float):
+    def __init__(self, spec, buffer_size: int, workers: int, image_token_id: int | None, timeout: float, peers):
         self.loader = SourceLoader(spec.build(), buffer_size, workers, image_token_id)
-        self.name, self.timeout, self.peers = spec.name, float(timeout), None
+        self.name, self.timeout, self.peers = spec.name, float(timeout), peers
         self.delivered = 0
         self.sent = {"samples": 0, "bytes": 0, "seconds": 0.0}   # to constructors: what and how long
-
-    def connect(self, peers) -> None:
-        self.peers = peers
 
     def metadata(self):
         return self.loader.metadata()
@@ -167,9 +174,8 @@ class ConstructorActor(_Role):
         with self.lock:
             old, self.steps = self.steps, {}
             self.gen, self.released = gen, 0
-        for w in old.values():
-            for _, fut in w.waiters:
-                settle(fut, exc=JobReset(f"the job was reset to generation {gen}; call iter() again"))
+        _fail_all([fut for w in old.values() for _, fut in w.waiters],
+                  JobReset(f"the job was reset to generation {gen}; call iter() again"))
 
     def plan(self, gen: int, step: int, plan: Plan, buckets: list[int], expected: list[str]) -> None:
         with self.lock:
@@ -255,6 +261,10 @@ class ConstructorActor(_Role):
                     "staged_samples": sum(len(w.samples) for w in self.steps.values())}
 
     def close(self) -> None:
+        with self.lock:
+            waiting = [fut for w in self.steps.values() for _, fut in w.waiters]
+            self.steps = {}
+        _fail_all(waiting, JobClosed("the job was closed by client 0 (the leader)"))
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -268,10 +278,10 @@ class PlannerActor(_Role):
     LEADER = 0
 
     def __init__(self, strategy: Callable, mesh: ClientPlaceTree, global_batch: int, seed: int, sources: list[str],
-                 constructors: int, clients: int, timeout: float):
+                 constructors: int, clients: int, timeout: float, peers):
         self.planner = Planner(strategy, mesh, global_batch, seed=seed)
         self.mesh, self.sources, self.n = mesh, list(sources), int(constructors)
-        self.clients, self.timeout, self.peers = int(clients), float(timeout), None
+        self.clients, self.timeout, self.peers = int(clients), float(timeout), peers
         self.gen = 0
         self.feedback: list[list] = []                 # [step, values] not planned yet
         self.history: dict[int, dict] = {}             # step -> reply (routing, state, plan)
@@ -283,9 +293,6 @@ class PlannerActor(_Role):
         self.attaches: dict[int, int] = collections.defaultdict(int)
         self.attach_waiting: list[tuple[int, int, int, cf.Future]] = []
         self.planned_steps = 0
-
-    def connect(self, peers) -> None:
-        self.peers = peers
 
     def _call(self, actor: str, method: str, *args) -> cf.Future:
         return self.peers.call(actor, method, *args, timeout=self.timeout)
@@ -336,9 +343,8 @@ class PlannerActor(_Role):
         self._on_loaders("reset", {n: (state[LocalJob.LOADERS][n],) for n in self.sources})
         self._on_constructors("reset", self.gen)
         self.feedback = [[int(s), dict(v)] for s, v in state.get(LocalJob.FEEDBACK, [])]
-        for futs in self.waiting.values():
-            for fut, _ in futs:
-                settle(fut, exc=JobReset(f"the job was reset to generation {self.gen}; call iter() again"))
+        _fail_all([fut for futs in self.waiting.values() for fut, _ in futs],
+                  JobReset(f"the job was reset to generation {self.gen}; call iter() again"))
         self.history, self.waiting, self.consumed = {}, collections.defaultdict(list), {}
         self.released, self.failed = self.planner.step, None
 
@@ -370,7 +376,8 @@ class PlannerActor(_Role):
 
     def _reply(self, step: int, with_plan: bool) -> dict:
         h = self.history[step]
-        return {"step": step, "routing": h["routing"], "state": h["state"], "plan": h["plan"] if with_plan else None}
+        return {"step": step, "routing": h["routing"], "empty": h["empty"], "state": h["state"],
+                "plan": h["plan"] if with_plan else None}
 
     def _release(self) -> None:
         below = min(self.consumed.get(c, self.released) for c in range(self.clients))
@@ -427,10 +434,15 @@ class PlannerActor(_Role):
         states = gather({s: self._call(loader_actor(s), "deliver", self.gen, step, sampled.get(s, []), routes[s])
                          for s in self.sources}, self.timeout)
         gather(plans, self.timeout)
-        routing = [plan.bucket_of(r) % n for r in range(self.mesh.world_size)]
+        routing, empty = [], {}
+        for r in range(self.mesh.world_size):        # ranks that receive nothing are answered here
+            nothing, value = receives_nothing(plan, r)
+            routing.append(-1 if nothing else plan.bucket_of(r) % n)
+            if nothing:
+                empty[r] = value
         state = {LocalJob.PLANNER: self.planner.state_dict(), LocalJob.LOADERS: states,
                  LocalJob.FEEDBACK: copy.deepcopy(self.feedback)}
-        self.history[step] = {"routing": routing, "state": state, "plan": plan}
+        self.history[step] = {"routing": routing, "empty": empty, "state": state, "plan": plan}
         self.planned_steps += 1
 
     # -- state and stats ------------------------------------------------------------------------
@@ -438,6 +450,13 @@ class PlannerActor(_Role):
         """The job's state at the current planned position (LocalJob's format)."""
         return {LocalJob.PLANNER: self.planner.state_dict(), LocalJob.LOADERS: self._on_loaders("get_state"),
                 LocalJob.FEEDBACK: copy.deepcopy(self.feedback)}
+
+    def close(self) -> None:
+        """Answer every waiting request (the leader is leaving: nothing more will be planned)."""
+        exc = JobClosed("the job was closed by client 0 (the leader): no more steps are planned")
+        _fail_all([fut for futs in self.waiting.values() for fut, _ in futs], exc)
+        _fail_all([item[3] for item in self.attach_waiting], exc)
+        self.waiting, self.attach_waiting = collections.defaultdict(list), []
 
     def stats(self) -> dict:
         return {"generation": self.gen, "next_step": self.planner.step, "released_below": self.released,

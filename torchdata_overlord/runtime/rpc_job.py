@@ -142,23 +142,23 @@ class RoleConfig:
 
 def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1) -> None:
     """Start every role of ``cfg`` on ``transport`` (placed by :meth:`RoleConfig.placement` when the
-    transport places actors) and connect them to each other."""
-    placed = hasattr(transport, "worker_of")
+    transport places actors), each knowing where the others are."""
     where = cfg.placement(n_workers)
+    placed = hasattr(transport, "place")
+    if placed:
+        transport.place(where)
+    peers = transport.peers()
 
     def start(name, factory, *args):
         transport.start_actor(name, factory, *args, **({"worker": where[name]} if placed else {}))
 
     start(PLANNER, PlannerActor, cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors,
-          cfg.clients, cfg.timeout)
+          cfg.clients, cfg.timeout, peers)
     for spec in cfg.specs:
         start(loader_actor(spec.name), LoaderActor, spec, cfg.get(cfg.buffer_size, spec.name, cfg.global_batch),
-              cfg.get(cfg.workers, spec.name, 0), cfg.image_token_id, cfg.timeout)
+              cfg.get(cfg.workers, spec.name, 0), cfg.image_token_id, cfg.timeout, peers)
     for c in range(cfg.constructors):
         start(constructor_actor(c), ConstructorActor, c, cfg.seq_len, cfg.pad_id, cfg.ignore_index, cfg.image_token_id)
-    peers = transport.peers()
-    gather({a: transport.call(a, "connect", peers, timeout=cfg.timeout)
-            for a in [PLANNER] + [loader_actor(n) for n in cfg.names]}, cfg.timeout)
 
 
 class RpcJob:
@@ -201,6 +201,7 @@ class RpcJob:
         self._next = 0
         self._feedback_futs: list[cf.Future] = []
         self.transport = None
+        self.fetches = 0                   # constructor fetch calls this client made
         try:
             if transport is not None:
                 self.client = 0
@@ -310,8 +311,10 @@ class RpcJob:
                 info = f.result()
                 by_c: dict[int, list] = {}
                 for r in wanted:
-                    by_c.setdefault(info["routing"][r], []).append(r)
+                    if info["routing"][r] >= 0:
+                        by_c.setdefault(info["routing"][r], []).append(r)
                 parts = [self._call(constructor_actor(c), "fetch", gen, step, rs) for c, rs in by_c.items()]
+                self.fetches += len(parts)
             except BaseException as e:     # noqa: BLE001
                 settle(out, exc=e)
                 return
@@ -322,7 +325,7 @@ class RpcJob:
                 if remaining[0]:
                     return
                 try:
-                    outputs = {}
+                    outputs = dict(info["empty"])
                     for p in parts:
                         outputs.update(p.result(0))
                     settle(out, StepResult(step, info["plan"], {r: outputs[r] for r in wanted}, info["state"]))
@@ -332,7 +335,7 @@ class RpcJob:
             for p in parts:
                 p.add_done_callback(on_part)
             if not parts:
-                settle(out, StepResult(step, info["plan"], {}, info["state"]))
+                settle(out, StepResult(step, info["plan"], {r: info["empty"][r] for r in wanted}, info["state"]))
 
         routed.add_done_callback(on_route)
         return out
@@ -363,7 +366,7 @@ class RpcJob:
         procs = {m["pid"]: m for (kind, _), m in got.items() if kind == "process"}
         procs[os.getpid()] = process_memory()
         return {"sources": {n: got["stats", loader_actor(n)] for n in self.names},
-                "planner": got["stats", PLANNER],
+                "planner": got["stats", PLANNER], "client": {"client": self.client, "fetches": self.fetches},
                 "constructors": {a: got["stats", a] for a in actors if a.startswith("constructor:")},
                 "roles": roles, "processes": procs}
 
@@ -375,8 +378,8 @@ class RpcJob:
         try:
             if self.transport is not None and self.client == 0:
                 futs = []
-                for a in [loader_actor(n) for n in self.names] + [constructor_actor(c)
-                                                                   for c in range(self.cfg.constructors)]:
+                for a in [PLANNER] + [loader_actor(n) for n in self.names] + \
+                        [constructor_actor(c) for c in range(self.cfg.constructors)]:
                     try:
                         futs.append(self.transport.call(a, "close", timeout=self.timeout))
                     except Exception:        # noqa: BLE001 - the actor may never have started

@@ -125,6 +125,7 @@ class RpcTransport(Transport):
         self._closed = False
         self._lock = threading.Lock()
         self._placement: dict[str, int] = {}
+        self._started: set[str] = set()
         self._rr = itertools.count()
         self._procs: list = []
         self._conns: list = []
@@ -200,12 +201,15 @@ class RpcTransport(Transport):
         with self._lock:
             if self._closed:
                 raise TransportClosed(f"cannot start actor {name!r}: the transport is stopped")
-            if name in self._placement:
+            if name in self._started:
                 raise ConfigError(f"an actor named {name!r} already exists")
             i = next(self._rr) % self.n_workers if worker is None else worker
             if not (isinstance(i, int) and 0 <= i < self.n_workers):
                 raise ConfigError(f"worker must be in [0, {self.n_workers}), got {worker!r}")
+            if self._placement.get(name, i) != i:
+                raise ConfigError(f"actor {name!r} was placed on worker {self._placement[name]}, not {i}")
             self._placement[name] = i
+            self._started.add(name)
         try:
             if self._procs and not self._procs[i].is_alive():
                 raise ActorDied(f"cannot start actor {name!r}: its worker {W.worker_name(i)} is dead")
@@ -217,15 +221,16 @@ class RpcTransport(Transport):
                 raise self._map_error(e, name, "__init__", self.startup_timeout) from e
         except BaseException:
             with self._lock:
-                self._placement.pop(name, None)
+                self._started.discard(name)
             raise
         if isinstance(failure, W.Failure):
             with self._lock:
-                self._placement.pop(name, None)
+                self._started.discard(name)
             raise failure.rebuild(name, "__init__")
 
     def place(self, placement: dict[str, int]) -> None:
-        """Record where actors started by another member live (a joining client calls them too)."""
+        """Record where actors live before they start (so :meth:`peers` can name them to each other),
+        or where another member started them (a joining client calls them too)."""
         with self._lock:
             self._placement.update({str(k): int(v) for k, v in placement.items()})
 

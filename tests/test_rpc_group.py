@@ -1,0 +1,126 @@
+"""Trainer ranks as separate processes (a gloo group) joining one rpc job as clients.
+
+Eight trainer processes (mesh dp=1, cp=2, tp=2, pp=2) each create ``OverlordLoader(runtime="rpc",
+group="default", rank=r)``: group rank 0 starts the role workers, every rank fetches only its own
+part. Each rank's batches must be bit-identical to what LocalJob builds for that rank, TP>0 ranks
+(after ``broadcast_at("TP")``) fetch nothing, PP>0 stages receive metadata only and CP ranks their
+zig-zag shards; the whole group restarted from each rank's own checkpoint continues identically.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as tmp
+
+import torchdata_overlord as ol
+from torchdata_overlord.runtime.local import LocalJob
+from torchdata_overlord.sim.corpus import build_demo_corpus
+from torchdata_overlord.sources import ParquetSource
+from torchdata_overlord.transforms import ImageText, Tokenize
+
+from test_rpc_job import _alive, assert_identical
+
+GLOBAL_BATCH, STEPS, CKPT_AFTER = 8, 3, 2
+WORLD = 8
+
+
+def group_strategy(g):
+    return (g.mix({"web": 0.6, "caps": 0.4}).distribute("DP").cost(ol.attention_flops)
+            .balance("greedy", microbatches=2, max_tokens=2048, oversize="split").broadcast_at("TP"))
+
+
+def make_mesh():
+    return ol.ClientPlaceTree(dp=1, cp=2, tp=2, pp=2)
+
+
+def make_sources(corpus):
+    return [ParquetSource("web", corpus.sources["web"], Tokenize(corpus.spm_model, field=corpus.text_fields["web"])),
+            ParquetSource("caps", corpus.sources["caps"],
+                          ImageText(corpus.spm_model, image_field="image", text_field="text", patch=14, max_side=112))]
+
+
+def _trainer(rank: int, root: str, out_dir: str, phase: str, steps: int, resume: bool) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg-{phase}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=120))
+    corpus = build_demo_corpus(root, scale="test", seed=0)
+    out = {"items": [], "pid": os.getpid()}
+    with ol.OverlordLoader(make_sources(corpus), group_strategy, make_mesh(), rank=rank, global_batch=GLOBAL_BATCH,
+                           seq_len=None, image_token_id=corpus.image_token_id, runtime="rpc", group="default",
+                           n_workers=2, prefetch=2, timeout=120) as loader:
+        if resume:
+            loader.load_state_dict(torch.load(f"{out_dir}/first-{rank}.pt", weights_only=False)["state"])
+        for i, item in zip(range(steps), loader):
+            out["items"].append(item)
+            if i + 1 == CKPT_AFTER:
+                out["state"] = loader.state_dict()
+        stats = loader.stats()
+        out["fetches"], out["roles"] = stats["client"]["fetches"], stats["roles"]
+    dist.destroy_process_group()
+    torch.save(out, f"{out_dir}/{phase}-{rank}.pt")
+
+
+def _run_group(root, out_dir, phase, steps, resume, timeout=240):
+    ctx = tmp.start_processes(_trainer, args=(str(root), str(out_dir), phase, steps, resume), nprocs=WORLD,
+                              join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=1.0):
+            assert time.monotonic() < deadline, f"trainer group {phase} did not finish within {timeout} s"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [torch.load(f"{out_dir}/{phase}-{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return build_demo_corpus(tmp_path_factory.mktemp("corpus"), scale="test", seed=0)
+
+
+@pytest.mark.slow
+def test_trainer_ranks_in_a_gloo_group_receive_their_part(corpus, tmp_path):
+    job = LocalJob(make_sources(corpus), group_strategy, make_mesh(), GLOBAL_BATCH, None,
+                   image_token_id=corpus.image_token_id)
+    try:
+        reference = [job.step().outputs for _ in range(STEPS + 1)]
+    finally:
+        job.close()
+
+    first = _run_group(corpus.root, tmp_path, "first", STEPS, resume=False)
+    mesh = make_mesh()
+    for r, got in enumerate(first):
+        c = mesh.coords(r)
+        assert [it["step"] for it in got["items"]] == list(range(STEPS))
+        for k, item in enumerate(got["items"]):
+            assert_identical(item["microbatches"], reference[k][r])
+            if c["tp"] > 0:
+                assert item["delivery"] == "none" and item["microbatches"] is None
+            elif c["pp"] > 0:
+                assert item["delivery"] == "metadata"
+                assert all("input_ids" not in mb and "position_ids" in mb for mb in item["microbatches"])
+            else:
+                assert item["delivery"] == "data"
+                assert all(mb["cp_rank"] == c["cp"] and mb["cp_size"] == 2 for mb in item["microbatches"])
+        # TP>0 ranks never asked a Data Constructor for anything
+        assert (got["fetches"] == 0) == (c["tp"] > 0), (r, got["fetches"])
+    assert any(len(mb["input_ids"]) for it in first[0]["items"] for mb in it["microbatches"])
+    # the roles lived in worker processes of rank 0, none in a trainer process
+    role_pids = set(first[0]["roles"].values())
+    assert len(role_pids) == 2 and not role_pids & {g["pid"] for g in first}
+    assert not [p for p in role_pids | {g["pid"] for g in first} if _alive(p)]
+
+    # restart the whole group from each rank's own checkpoint after step CKPT_AFTER - 1
+    again = _run_group(corpus.root, tmp_path, "again", STEPS + 1 - CKPT_AFTER, resume=True)
+    for r, got in enumerate(again):
+        assert [it["step"] for it in got["items"]] == list(range(CKPT_AFTER, STEPS + 1))
+        for item in got["items"]:
+            assert_identical(item["microbatches"], reference[item["step"]][r])
+    assert not [p for p in set(again[0]["roles"].values()) if _alive(p)]
