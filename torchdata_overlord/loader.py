@@ -96,7 +96,7 @@ class OverlordLoader:
         self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,
                                       buffer_size=buffer_size, workers=workers, image_token_id=image_token_id,
                                       pad_id=pad_id, **extra)
-        self._config = {"sources": [s.name for s in sources], "seed": seed, "global_batch": global_batch,
+        self._config = {"sources": [getattr(s, "name", s) for s in sources], "seed": seed, "global_batch": global_batch,
                         "seq_len": seq_len, "mesh": mesh.to_dict(), "image_token_id": image_token_id}
         self._consumed = {self.K_STEP: 0, self.K_JOB: self._job.state_dict()}
         self._pending: dict | None = None

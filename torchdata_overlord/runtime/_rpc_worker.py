@@ -246,7 +246,10 @@ def _watch_parent(conn) -> None:
 def worker_main(name: str, rank: int, world_size: int, init_method: str, rpc_timeout: float, conn,
                 env: dict | None = None) -> None:
     """A role worker: join the group, host actors until every member shuts down, then exit."""
+    from .rendezvous import register
+
     os.environ.update(LOOPBACK_ENV if env is None else env)
+    register()
     threading.Thread(target=_watch_parent, args=(conn,), name="overlord-parent-watch", daemon=True).start()
     init_rpc(name, rank, world_size, init_method, rpc_timeout)
     rpc.shutdown(graceful=True)             # serves calls until the whole group shuts down

@@ -62,8 +62,12 @@ class SourceSpec:
 
     @classmethod
     def from_source(cls, src) -> "SourceSpec":
+        """A ParquetSource's spec; a spec as is; a name (str) only names the source (enough for a
+        client joining a launched job, whose roles were built from the launcher's config)."""
         if isinstance(src, SourceSpec):
             return src
+        if isinstance(src, str):
+            return cls(src, None)
         if not isinstance(src, ParquetSource):
             raise ConfigError(f"RpcJob sources must be ParquetSource or SourceSpec, got {type(src).__name__}")
         kwargs = dict(columns=src.columns, shuffle=src.shuffle, seed=src.seed, epochs=src.epochs,
@@ -116,7 +120,8 @@ class RoleConfig:
         if isinstance(self.clients, bool) or not isinstance(self.clients, int) or not 1 <= self.clients:
             raise ConfigError(f"clients must be an integer >= 1, got {self.clients!r}")
         try:
-            pickle.dumps(self.strategy)
+            if self.strategy is not None:          # None: a client of a launched job (the roles have it)
+                pickle.dumps(self.strategy)
         except Exception as e:          # noqa: BLE001
             raise ConfigError(f"the rpc runtime runs the strategy in a worker process, so it must pickle (define it "
                               f"at module level, not as a closure or lambda): {type(e).__name__}: {e}") from e
@@ -143,6 +148,8 @@ class RoleConfig:
 def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1) -> None:
     """Start every role of ``cfg`` on ``transport`` (placed by :meth:`RoleConfig.placement` when the
     transport places actors), each knowing where the others are."""
+    if cfg.strategy is None or any(s.paths is None for s in cfg.specs):
+        raise ConfigError("starting the roles needs the strategy and every source (not just its name)")
     where = cfg.placement(n_workers)
     placed = hasattr(transport, "place")
     if placed:

@@ -49,9 +49,32 @@ def claim_rpc() -> None:
                               "hangs in torch 2.14.1): this process already had an RpcTransport")
 
 
+def spawn_workers(members: list[tuple[str, int]], rendezvous: dict, rpc_timeout: float,
+                  start_method: str = "forkserver") -> tuple[list, list]:
+    """Start one role worker process per ``(name, rank)``; each exits when its pipe (the second
+    list) is closed or its parent dies. Workers come from the fork server, which preloads torch."""
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed.rpc", W.__name__])
+    procs, conns = [], []
+    for name, rank in members:
+        r, w = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=W.worker_main, args=(name, rank, rendezvous["world_size"], rendezvous["init_method"],
+                                                    rpc_timeout, r, rendezvous.get("env", {})),
+                        name=name, daemon=True)
+        p.start()
+        r.close()
+        procs.append(p)
+        conns.append(w)
+    return procs, conns
+
+
 def start_rpc(name: str, rank: int, world_size: int, init_method: str, rpc_timeout: float,
               startup_timeout: float, alive: Callable[[], list[str]] = lambda: []) -> None:
     """``init_rpc`` in a thread, bounded by ``startup_timeout``; ``alive()`` names dead helpers to fail fast."""
+    from .rendezvous import register
+
+    register()
     errors: list = []
 
     def init():
@@ -130,6 +153,7 @@ class RpcTransport(Transport):
         self._procs: list = []
         self._conns: list = []
         self._rpc_up = False
+        self._peer_died = False
         self._tmp = None
         atexit.register(self.stop)
         try:
@@ -173,19 +197,9 @@ class RpcTransport(Transport):
 
     def _spawn(self, start_method: str, on_rendezvous: Callable[[dict], None] | None) -> None:
         os.environ.update(W.LOOPBACK_ENV)
-        ctx = mp.get_context(start_method)
-        if start_method == "forkserver":
-            ctx.set_forkserver_preload(["torch", "torch.distributed.rpc", W.__name__])
         rv = self.rendezvous
-        for i in range(self.n_workers):
-            r, w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=W.worker_main, args=(W.worker_name(i), i + 1, rv["world_size"],
-                                                        rv["init_method"], self.rpc_timeout, r, rv["env"]),
-                            name=W.worker_name(i), daemon=True)
-            p.start()
-            r.close()
-            self._procs.append(p)
-            self._conns.append(w)
+        self._procs, self._conns = spawn_workers([(W.worker_name(i), i + 1) for i in range(self.n_workers)], rv,
+                                                 self.rpc_timeout, start_method)
         if on_rendezvous is not None:        # the other clients learn how to join (before we wait for them)
             on_rendezvous(dict(rv))
         start_rpc(W.client_name(0), 0, rv["world_size"], rv["init_method"], self.rpc_timeout, self.startup_timeout,
@@ -273,6 +287,8 @@ class RpcTransport(Transport):
 
     def _map_error(self, e: BaseException, name: str, method: str, timeout: float) -> BaseException:
         err = W.map_error(e, name, method, timeout)
+        if isinstance(err, ActorDied):
+            self._peer_died = True            # a graceful shutdown would wait for it in vain
         i = self._placement.get(name)
         if isinstance(err, CallTimeout) or i is None or not self._procs:
             return err
@@ -288,7 +304,7 @@ class RpcTransport(Transport):
             if self._closed:
                 return
             self._closed = True
-        self._teardown(graceful=all(p.is_alive() for p in self._procs))
+        self._teardown(graceful=not self._peer_died and all(p.is_alive() for p in self._procs))
 
     def _teardown(self, graceful: bool) -> None:
         self._closed = True

@@ -1,0 +1,244 @@
+"""``python -m torchdata_overlord.launch``: roles on "data nodes" (here two launchers on localhost),
+trainers as separate processes joining with ``address=``; configuration errors before anything
+starts; Ctrl-C of the launcher and a dying trainer end the job without leaving a process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchdata_overlord.runtime.local import LocalJob
+from torchdata_overlord.sim.corpus import build_demo_corpus
+
+from test_rpc_job import _alive, assert_identical
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CONFIG = """
+import torchdata_overlord as ol
+from torchdata_overlord.sim.corpus import build_demo_corpus
+from torchdata_overlord.sources import ParquetSource
+from torchdata_overlord.transforms import ImageText, Tokenize
+
+ROOT, CONSTRUCTORS, MESH, WEB = {root!r}, {constructors!r}, {mesh!r}, {web!r}
+
+
+def strategy(g):
+    return (g.mix({{"web": 0.6, "caps": 0.4}}).distribute("DP").cost(ol.attention_flops)
+            .balance("greedy", microbatches=2, max_tokens=2048, oversize="split"))
+
+
+def sources(corpus):
+    return [ParquetSource("web", WEB or corpus.sources["web"],
+                          Tokenize(corpus.spm_model, field=corpus.text_fields["web"])),
+            ParquetSource("caps", corpus.sources["caps"],
+                          ImageText(corpus.spm_model, image_field="image", text_field="text", patch=14, max_side=112))]
+
+
+def job():
+    corpus = build_demo_corpus(ROOT, scale="test", seed=0)
+    return dict(sources=sources(corpus), strategy=strategy, mesh=ol.ClientPlaceTree(**MESH), global_batch=8,
+                seq_len=None, image_token_id=corpus.image_token_id, constructors=CONSTRUCTORS)
+"""
+
+TRAINER = """
+import json, os, sys, time, torch
+import torchdata_overlord as ol
+from torchdata_overlord.sim.corpus import build_demo_corpus
+corpus = build_demo_corpus({root!r}, scale="test", seed=0)
+rank, steps, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+items = []
+with ol.OverlordLoader(["web", "caps"], None, ol.ClientPlaceTree(**{mesh!r}), rank=rank, global_batch=8, seq_len=None,
+                       image_token_id=corpus.image_token_id, runtime="rpc", address={address!r}, timeout=60) as loader:
+    for i, item in enumerate(loader):
+        items.append(item)
+        if i == 0:
+            print("roles", json.dumps(sorted(set(loader.stats()["roles"].values()))), flush=True)
+        if len(items) == steps:
+            break
+        time.sleep({pause})                       # the trainer's own work between steps
+    torch.save({{"items": items, "roles": loader.stats()["roles"]}}, out)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_for(port: int) -> dict:
+    return dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def write_config(tmp_path, corpus, constructors=None, mesh=None, web=None) -> Path:
+    path = tmp_path / "ljob.py"
+    path.write_text(CONFIG.format(root=str(corpus.root), constructors=constructors, mesh=mesh or {"dp": 2}, web=web))
+    return path
+
+
+def launcher(config, port, *extra, node_rank=0, nodes=1):
+    return subprocess.Popen([sys.executable, "-m", "torchdata_overlord.launch", "--config", str(config), "--nodes",
+                             str(nodes), "--node-rank", str(node_rank), *extra], env=env_for(port), cwd=str(ROOT),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def trainer(tmp_path, corpus, port, rank, steps, pause=0.0, mesh=None):
+    script = TRAINER.format(root=str(corpus.root), mesh=mesh or {"dp": 2}, address=f"127.0.0.1:{port}", pause=pause)
+    out = tmp_path / f"trainer-{rank}.pt"
+    proc = subprocess.Popen([sys.executable, "-c", script, str(rank), str(steps), str(out)], env=env_for(port),
+                            cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, out
+
+
+def finish(procs, timeout):
+    """Wait for every process (bounded); kill what is left; return (returncode, stderr) per process."""
+    deadline, out = time.monotonic() + timeout, []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+            err = "TIMEOUT\n" + err
+        out.append((p.returncode, err))
+    return out
+
+
+def wait_gone(pids, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        if alive:
+            time.sleep(0.1)
+    return alive
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return build_demo_corpus(tmp_path_factory.mktemp("corpus"), scale="test", seed=0)
+
+
+# ------------------------------------------------------------------------------------ errors before start
+
+def run_launcher(config, port, *extra, nodes=1, node_rank=0, timeout=60):
+    t0 = time.monotonic()
+    proc = launcher(config, port, *extra, nodes=nodes, node_rank=node_rank)
+    (rc, err), = finish([proc], timeout)
+    return rc, err, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_launcher_reports_configuration_errors_before_starting(corpus, tmp_path):
+    config = write_config(tmp_path, corpus)
+    with socket.socket() as busy:                                 # port in use
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        rc, err, _ = run_launcher(config, busy.getsockname()[1])
+    assert rc == 2 and "is in use" in err, err
+    rc, err, took = run_launcher(config, free_port(), "--interface", "lo", "--connect-timeout", "2", nodes=2,
+                                 node_rank=1)                      # nobody hosts the store
+    assert rc == 2 and "within 2 s" in err and "127.0.0.1" in err, err
+    assert took < 30
+    rc, err, _ = run_launcher(write_config(tmp_path, corpus, constructors=3), free_port())
+    assert rc == 2 and "constructors=3 does not fit" in err, err
+    rc, err, _ = run_launcher(write_config(tmp_path, corpus, web=str(tmp_path / "missing" / "*.parquet")), free_port())
+    assert rc == 2 and "missing" in err, err
+    rc, err, _ = run_launcher(write_config(tmp_path, corpus), free_port(), nodes=2)     # no --interface
+    assert rc == 2 and "--interface" in err, err
+
+
+def test_client_reports_an_unreachable_launcher(corpus):
+    import torchdata_overlord as ol
+    from torchdata_overlord.runtime.rpc_job import RpcJob
+
+    t0 = time.monotonic()
+    with pytest.raises(ol.ConfigError, match=r"cannot reach .*127\.0\.0\.1:\d+ within 1 s"):
+        RpcJob(["web", "caps"], None, ol.ClientPlaceTree(dp=2), 8, None, address=f"127.0.0.1:{free_port()}", client=0,
+               startup_timeout=1)
+    assert time.monotonic() - t0 < 20
+
+
+# ------------------------------------------------------------------------------------ a launched job
+
+@pytest.mark.slow
+def test_two_data_nodes_and_two_trainers_equal_the_local_runtime(corpus, tmp_path):
+    port, steps = free_port(), 3
+    config = write_config(tmp_path, corpus)
+    nodes = [launcher(config, port, "--interface", "lo", "--workers-per-node", "2", nodes=2, node_rank=r)
+             for r in (0, 1)]
+    trainers = [trainer(tmp_path, corpus, port, r, steps) for r in (0, 1)]
+    results = finish([p for p, _ in trainers] + nodes, 180)
+    assert all(rc == 0 for rc, _ in results), [err[-3000:] for _, err in results]
+
+    sys.path.insert(0, str(tmp_path))
+    import ljob
+    job = LocalJob(**{k: v for k, v in ljob.job().items() if k != "constructors"})
+    try:
+        reference = [job.step().outputs for _ in range(steps)]
+    finally:
+        job.close()
+    got = [torch.load(out, weights_only=False) for _, out in trainers]
+    for r, g in enumerate(got):
+        assert [it["step"] for it in g["items"]] == list(range(steps))
+        for k, item in enumerate(g["items"]):
+            assert_identical(item["microbatches"], reference[k][r])
+    roles = got[0]["roles"]
+    assert len(set(roles.values())) == 4                          # 2 nodes x 2 workers hold the 5 roles
+    assert roles["constructor:0"] != roles["constructor:1"]
+    assert not wait_gone(set(roles.values()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["ctrl-c launcher", "kill a trainer"])
+def test_a_launched_job_ends_cleanly_on_faults(corpus, tmp_path, fault):
+    port = free_port()
+    node = launcher(write_config(tmp_path, corpus), port, "--ping-every", "0.5")
+    trainers = [trainer(tmp_path, corpus, port, r, 10_000, pause=0.05) for r in (0, 1)]
+    try:
+        line = trainers[0][0].stdout.readline()               # the job runs: trainer 0 consumed a step
+        assert line.startswith("roles"), finish([p for p, _ in trainers] + [node], 10)
+        role_pids = [int(p) for p in line.split(" ", 1)[1].strip("[]\n").split(",")]
+        t0 = time.monotonic()
+        if fault == "ctrl-c launcher":
+            node.send_signal(signal.SIGINT)
+        else:
+            trainers[1][0].send_signal(signal.SIGKILL)
+        results = finish([node] + [p for p, _ in trainers], 60)
+        assert time.monotonic() - t0 < 45
+    finally:
+        for p in [node] + [p for p, _ in trainers]:
+            if p.poll() is None:
+                p.kill()
+    assert results[0][0] == 1, results[0][1][-2000:]                # the launcher says the job failed
+    assert all("TIMEOUT" not in err for _, err in results)           # nobody hung
+    assert results[1][0] != 0 and ("ActorDied" in results[1][1] or "unreachable" in results[1][1]
+                                   or "JobClosed" in results[1][1]), results[1][1][-2000:]
+    assert not wait_gone(role_pids)
+
+
+@pytest.mark.slow
+def test_the_launcher_runs_under_torchrun(corpus, tmp_path):
+    """torchrun hosts the store (its agent's, at --master-port): the launcher uses it, trainers connect there."""
+    port, steps = free_port(), 2
+    node = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+                             "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "torchdata_overlord.launch",
+                             "--config", str(write_config(tmp_path, corpus))], env=env_for(port), cwd=str(ROOT),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    trainers = [trainer(tmp_path, corpus, port, r, steps) for r in (0, 1)]
+    results = finish([p for p, _ in trainers] + [node], 180)
+    assert all(rc == 0 for rc, _ in results), [err[-3000:] for _, err in results]
+    got = [torch.load(out, weights_only=False) for _, out in trainers]
+    assert [[it["step"] for it in g["items"]] for g in got] == [[0, 1], [0, 1]]
+    assert not wait_gone(set(got[0]["roles"].values()))

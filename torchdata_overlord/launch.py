@@ -1,0 +1,263 @@
+"""Start a job's roles on the data nodes: ``python -m torchdata_overlord.launch --config job.py
+--nodes N --node-rank R`` (``MASTER_ADDR``/``MASTER_PORT`` name node 0, as for ``torchrun``).
+
+The config is a Python file whose ``job()`` returns the loader's keyword arguments: ``sources``,
+``strategy`` (module level, it is pickled to the Planner's process), ``mesh``, ``global_batch``,
+``seq_len`` and optionally ``seed``, ``buffer_size``, ``workers``, ``image_token_id``, ``pad_id``,
+``ignore_index``, ``constructors`` (Data Constructors, default one per DP group) and ``clients``
+(trainer processes that will connect, default every rank of the mesh). Trainers connect with
+``OverlordLoader(..., runtime="rpc", address="MASTER_ADDR:MASTER_PORT", rank=r)``.
+
+Each node starts ``--workers-per-node`` role worker processes (default: enough for one role per
+process over all nodes); node 0 hosts the rendezvous store (under ``torchrun``, the agent's), checks
+the configuration before anything starts (port in use, sources that cannot be opened, a role count
+that does not fit the mesh), starts the roles once every member joined, and then watches: a
+trainer or a worker that dies, or Ctrl-C / SIGTERM, ends the whole job (every node's workers exit,
+nothing hangs). Node ranks > 0 wait at most ``--connect-timeout`` seconds for node 0.
+
+Security: RPC peers exchange pickles, so anyone who can reach these ports can run code in every
+role. The default binds TensorPipe to loopback (``--interface lo``) and refuses a non-loopback
+``MASTER_ADDR``; a multi-node job names its private network's interface (``--interface eth1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .errors import ConfigError, OverlordError
+from .runtime import _rpc_worker as W
+from .runtime.rendezvous import LAYOUT_KEY, SCHEME, connect_store, host_store, is_loopback, register
+from .runtime.rpc_job import RoleConfig, start_roles
+
+log = logging.getLogger("torchdata_overlord.launch")
+JOB_KEYS = ("sources", "strategy", "mesh", "global_batch", "seq_len", "seed", "buffer_size", "workers",
+            "image_token_id", "pad_id", "ignore_index", "constructors", "clients")
+
+
+def load_config(path: str) -> dict:
+    """Import the config file as a module named after it (its directory first on ``sys.path``, which
+    the workers inherit, so its module-level strategy unpickles there) and call its ``job()``."""
+    p = Path(path).resolve()
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    sys.path.insert(0, str(p.parent))
+    module = importlib.import_module(p.stem)
+    if not callable(getattr(module, "job", None)):
+        raise ConfigError(f"--config {path} must define job() returning the loader's keyword arguments")
+    kwargs = dict(module.job())
+    unknown = set(kwargs) - set(JOB_KEYS)
+    if unknown:
+        raise ConfigError(f"--config {path}: job() returned unknown keys {sorted(unknown)}; known: {list(JOB_KEYS)}")
+    missing = {"sources", "strategy", "mesh", "global_batch", "seq_len"} - set(kwargs)
+    if missing:
+        raise ConfigError(f"--config {path}: job() must give {sorted(missing)}")
+    return kwargs
+
+
+def role_config(kwargs: dict, timeout: float) -> RoleConfig:
+    kw = dict(kwargs)
+    clients = kw.pop("clients", None) or kw["mesh"].world_size
+    return RoleConfig(kw.pop("sources"), kw.pop("strategy"), kw.pop("mesh"), kw.pop("global_batch"), kw.pop("seq_len"),
+                      clients=clients, timeout=timeout, **kw)
+
+
+def parse_args(argv):
+    env = os.environ
+    ap = argparse.ArgumentParser(prog="python -m torchdata_overlord.launch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="Python file whose job() returns the loader's arguments")
+    ap.add_argument("--nodes", type=int, default=int(env.get("GROUP_WORLD_SIZE", 1)),
+                    help="data nodes in the job (default: torchrun's GROUP_WORLD_SIZE, else 1)")
+    ap.add_argument("--node-rank", type=int, default=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
+                    help="this node's rank (default: torchrun's GROUP_RANK, else NODE_RANK, else 0)")
+    ap.add_argument("--workers-per-node", type=int, default=None, help="role worker processes on each node")
+    ap.add_argument("--interface", default=None,
+                    help="network interface TensorPipe listens on (default: lo, loopback only, for one node)")
+    ap.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for node 0's store")
+    ap.add_argument("--join-timeout", type=float, default=600.0,
+                    help="seconds node 0 waits for every worker and trainer to join")
+    ap.add_argument("--rpc-timeout", type=float, default=60.0, help="seconds every role call may take")
+    ap.add_argument("--ping-every", type=float, default=2.0, help="seconds between trainer liveness checks")
+    a = ap.parse_args(argv)
+    a.master_addr = env.get("MASTER_ADDR", "127.0.0.1")
+    a.master_port = int(env.get("MASTER_PORT", 29600))
+    return a
+
+
+class Launcher:
+    """One node's share of a launched job (see the module docstring)."""
+
+    def __init__(self, args):
+        self.a = args
+        if args.nodes < 1 or not 0 <= args.node_rank < args.nodes:
+            raise ConfigError(f"--node-rank {args.node_rank} must be in [0, --nodes={args.nodes})")
+        if args.interface is None and (args.nodes > 1 or not is_loopback(args.master_addr)):
+            raise ConfigError(f"MASTER_ADDR={args.master_addr} with {args.nodes} node(s) needs a network: pass "
+                              f"--interface <nic of your private network> (RPC peers exchange pickles; never expose "
+                              f"these ports beyond a private network)")
+        args.interface = args.interface or "lo"
+        self.cfg = role_config(load_config(args.config), args.rpc_timeout)
+        roles = len(self.cfg.roles)
+        per = args.workers_per_node or -(-roles // args.nodes)
+        if per < 1:
+            raise ConfigError(f"--workers-per-node must be >= 1, got {per}")
+        self.n_workers = per * args.nodes
+        self.per_node = per
+        self.procs, self.conns = [], []
+        self.store = None
+        self.stopping = threading.Event()
+
+    def layout(self) -> dict:
+        a, n, c = self.a, self.n_workers, self.cfg.clients
+        env = {"TP_SOCKET_IFNAME": a.interface, "GLOO_SOCKET_IFNAME": a.interface}
+        rendezvous = {"init_method": f"{SCHEME}://{a.master_addr}:{a.master_port}", "world_size": n + c + 1,
+                      "n_workers": n, "client_ranks": [n + i for i in range(c + 1)],
+                      "rpc_timeout": a.rpc_timeout, "env": env if a.interface == "lo" else {}}
+        return {"rendezvous": rendezvous, "placement": self.cfg.placement(n), "fingerprint": self.cfg.fingerprint(),
+                "nodes": a.nodes, "workers_per_node": self.per_node}
+
+    def start(self) -> dict:
+        a = self.a
+        under_torchrun = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if a.node_rank == 0:
+            self.store = connect_store(a.master_addr, a.master_port, a.connect_timeout) if under_torchrun else \
+                host_store(a.master_addr, a.master_port, a.join_timeout)
+            layout = self.layout()
+            self.store.set(LAYOUT_KEY, json.dumps(layout))
+        else:
+            self.store = connect_store(a.master_addr, a.master_port, a.connect_timeout)
+            layout = json.loads(self.store.get(LAYOUT_KEY))
+            if layout["workers_per_node"] != self.per_node or layout["nodes"] != a.nodes:
+                raise ConfigError(f"node {a.node_rank}: node 0 runs {layout['nodes']} nodes x "
+                                  f"{layout['workers_per_node']} workers, this node was given {a.nodes} x "
+                                  f"{self.per_node}; start every node with the same --nodes and --workers-per-node")
+        from .runtime.rpc_transport import spawn_workers
+        rv = layout["rendezvous"]
+        first = a.node_rank * self.per_node
+        os.environ.update(rv["env"])
+        self.procs, self.conns = spawn_workers([(W.worker_name(i), i) for i in range(first, first + self.per_node)],
+                                               rv, a.rpc_timeout)
+        log.info("node %d: started workers %s (pids %s)", a.node_rank, list(range(first, first + self.per_node)),
+                 [p.pid for p in self.procs])
+        return layout
+
+    # -- node 0: the roles and the watch ---------------------------------------------------------
+    def run_leader(self, layout: dict) -> int:
+        from .runtime.rpc_transport import RpcTransport, stop_rpc
+        import torch.distributed.rpc as rpc
+
+        rv, clients = layout["rendezvous"], self.cfg.clients
+        transport = RpcTransport.join(rv, clients, startup_timeout=self.a.join_timeout, stop_timeout=5.0)
+        start_roles(transport, self.cfg, self.n_workers)
+        print(f"torchdata_overlord.launch: roles started on {self.n_workers} workers; trainers connect with "
+              f"address='{self.a.master_addr}:{self.a.master_port}'", flush=True)
+        done = threading.Event()
+
+        def wait_all():                      # the graceful shutdown barrier: every member leaves together
+            try:
+                rpc.shutdown(graceful=True, timeout=0)
+            except BaseException as e:       # noqa: BLE001
+                log.warning("graceful shutdown failed: %s", e)
+            done.set()
+
+        threading.Thread(target=wait_all, name="overlord-launch-shutdown", daemon=True).start()
+        transport._rpc_up = False            # the barrier thread owns the shutdown now
+        reason = self.watch(done, clients)
+        if reason is None:
+            return 0
+        log.error("torchdata_overlord.launch: %s: stopping every role", reason)
+        print(f"torchdata_overlord.launch: {reason}; stopping every role", file=sys.stderr, flush=True)
+        for i in range(self.n_workers):      # other nodes' workers exit too (their launchers then exit)
+            try:
+                rpc.rpc_async(W.worker_name(i), W._exit_now, args=(1,), timeout=2)
+            except BaseException:            # noqa: BLE001
+                pass
+        time.sleep(0.2)                      # let the exit requests leave before our agent stops
+        stop_rpc(False, 5.0)
+        return 1
+
+    def watch(self, done: threading.Event, clients: int) -> str | None:
+        """None when the job ended normally; else why it must stop."""
+        import torch.distributed.rpc as rpc
+
+        next_ping = time.monotonic() + self.a.ping_every
+        while not done.wait(0.1):
+            if self.stopping.is_set():
+                return "interrupted"
+            dead = [p.name for p in self.procs if not p.is_alive()]
+            if dead and not done.wait(1.0):
+                return f"worker process(es) {dead} died"
+            if time.monotonic() >= next_ping:
+                next_ping = time.monotonic() + self.a.ping_every
+                futs = {c: rpc.rpc_async(W.client_name(c), os.getpid, timeout=max(1.0, self.a.ping_every))
+                        for c in range(clients)}
+                for c, f in futs.items():
+                    try:
+                        f.wait()
+                    except BaseException as e:       # noqa: BLE001
+                        if not done.wait(2.0):       # a trainer that left with the barrier is not dead
+                            return f"trainer client {c} is unreachable ({str(e).splitlines()[0][:120]})"
+        return None
+
+    # -- other nodes: wait for the workers ---------------------------------------------------------
+    def run_follower(self) -> int:
+        while any(p.is_alive() for p in self.procs):
+            if self.stopping.is_set():
+                return 1
+            for p in self.procs:
+                p.join(0.1)
+        codes = [p.exitcode for p in self.procs]
+        return 0 if all(c == 0 for c in codes) else 1
+
+    def close(self) -> None:
+        for c in self.conns:                 # EOF on the pipe: each worker exits
+            try:
+                c.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(2)
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    try:
+        launcher = Launcher(args)
+    except Exception as e:                   # noqa: BLE001 - a config file may raise anything: report, start nothing
+        print(f"torchdata_overlord.launch: configuration error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 2
+
+    def on_signal(signum, frame):
+        launcher.stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        try:
+            layout = launcher.start()
+        except (ConfigError, OverlordError) as e:
+            print(f"torchdata_overlord.launch: configuration error: {e}", file=sys.stderr, flush=True)
+            return 2
+        return launcher.run_leader(layout) if args.node_rank == 0 else launcher.run_follower()
+    finally:
+        launcher.close()
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)                           # rpc's atexit handlers must not wait for a graceful shutdown
