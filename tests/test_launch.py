@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 

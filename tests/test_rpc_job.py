@@ -283,7 +283,8 @@ with ol.OverlordLoader(make_sources(corpus), vlm_strategy, make_mesh(), rank=Non
 
 @pytest.mark.slow
 def test_rpc_roles_own_their_files_and_report_processes(corpus, tmp_path):
-    """Each source's Parquet files are opened by its own loader process only, never by the trainer."""
+    """Each source's Parquet files are opened by its own loader process only, never by the trainer; a
+    default job gives each role its own process and nothing listens beyond loopback."""
     out = tmp_path / "fds.json"
     script = f"""
 import json, os, sys
@@ -303,9 +304,26 @@ def open_files(pid):
             found.add(target)
     return sorted(found)
 
+def listening(pid):
+    inodes = set()
+    for fd in os.listdir(f"/proc/{{pid}}/fd"):
+        try:
+            link = os.readlink(f"/proc/{{pid}}/fd/{{fd}}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).readlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:      # LISTEN
+                found.append(table.rsplit("/", 1)[1] + ":" + cols[1].split(":")[0])
+    return found
+
 corpus = build_demo_corpus({str(corpus.root)!r}, scale="test", seed=0)
 with ol.OverlordLoader(make_sources(corpus), vlm_strategy, make_mesh(), rank=0, global_batch=8, seq_len=None,
-                       image_token_id=corpus.image_token_id, runtime="rpc", n_workers=2, prefetch=1) as loader:
+                       image_token_id=corpus.image_token_id, runtime="rpc", prefetch=1) as loader:
     seen = {{}}
     for _ in zip(range(4), loader):        # the roles keep working meanwhile: union what each process holds open
         stats = loader.stats()
@@ -313,7 +331,8 @@ with ol.OverlordLoader(make_sources(corpus), vlm_strategy, make_mesh(), rank=0, 
             seen.setdefault(str(pid), set()).update(open_files(pid))
     report = {{"master": os.getpid(), "roles": stats["roles"], "open": {{k: sorted(v) for k, v in seen.items()}},
                "processes": {{str(k): v for k, v in stats["processes"].items()}}, "sources": stats["sources"],
-               "constructors": stats["constructors"], "planner": stats["planner"]}}
+               "constructors": stats["constructors"], "planner": stats["planner"],
+               "listening": {{str(pid): listening(pid) for pid in set(stats["roles"].values()) | {{os.getpid()}}}}}}
 json.dump(report, open({str(out)!r}, "w"))
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
@@ -338,6 +357,10 @@ json.dump(report, open({str(out)!r}, "w"))
     assert sorted(rep["constructors"]) == ["constructor:0", "constructor:1"]
     assert all(0 <= c["steps_held"] <= 2 and c["steps_built"] >= 4 for c in rep["constructors"].values())
     assert rep["planner"]["next_step"] >= 4 and rep["planner"]["waiting_requests"] == 0
+    # a default single-node job: one process per role, and every process listens on loopback only
+    assert len(set(rep["roles"].values())) == len(rep["roles"]) == 5
+    assert all(rep["listening"][pid] for pid in rep["listening"]), rep["listening"]
+    assert all(a == "tcp:0100007F" for addrs in rep["listening"].values() for a in addrs), rep["listening"]
 
 
 @pytest.mark.slow

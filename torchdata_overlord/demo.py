@@ -2,12 +2,14 @@
 
 It builds (once, cached) a local corpus of Parquet files: web text, code, heavy-tailed
 long-context documents and captioned JPEG images, with a sentencepiece model trained on it. Then
-it runs an ``OverlordLoader`` for a ``pp=2, dp=4, cp=2, tp=2`` mesh on the embedded runtime: Source
+it runs an ``OverlordLoader`` for a ``pp=2, dp=4, cp=2, tp=2`` mesh on the embedded runtime (or,
+with ``--runtime rpc``, one process per role): Source
 Loaders read and transform, the Planner mixes the sources on a curriculum and balances the
 backbone by attention FLOPs across DP ranks and microbatches and the images across all ranks for
 a world-wide-DP encoder, and Data Constructors pack, pad and zig-zag split for context
 parallelism. It prints throughput, per-step imbalance before (arrival order) and after balancing,
-and the realised mixture, and writes a PNG of per-rank cost with and without balancing.
+the realised mixture and each role's process and memory, and writes a PNG of per-rank cost with and
+without balancing.
 
     bash scripts/demo.sh --steps 200
 """
@@ -29,26 +31,46 @@ START = {"web": 0.50, "code": 0.15, "long": 0.10, "caps": 0.25}
 END = {"web": 0.30, "code": 0.25, "long": 0.20, "caps": 0.25}
 
 
-def make_strategy(method: str, microbatches: int, max_tokens: int, steps: int):
-    """The job's data plane, as a user writes it (paper Fig. 9, right: VLM hybrid balance)."""
-    schedule = ol.Linear(START, END, steps=steps)
+class DemoStrategy:
+    """The job's data plane, as a user writes it (paper Fig. 9, right: VLM hybrid balance). A
+    module-level class, so it pickles to the Planner's process under ``--runtime rpc``."""
 
-    def strategy(g: ol.DGraph) -> ol.Plan:
-        g = g.mix(schedule)
+    def __init__(self, method: str, microbatches: int, max_tokens: int, steps: int):
+        self.method, self.microbatches, self.max_tokens = method, microbatches, max_tokens
+        self.schedule = ol.Linear(START, END, steps=steps)
+
+    def __call__(self, g: ol.DGraph) -> ol.Plan:
+        g = g.mix(self.schedule)
         images = (g.view("image").distribute("DP", module="encoder")
-                  .cost(ol.encoder_cost).balance(method, microbatches=1))
+                  .cost(ol.encoder_cost).balance(self.method, microbatches=1))
         text = (g.view("text").distribute("DP").cost(ol.attention_flops)
-                .balance(method, microbatches=microbatches, max_tokens=max_tokens, oversize="split")
+                .balance(self.method, microbatches=self.microbatches, max_tokens=self.max_tokens, oversize="split")
                 .broadcast_at("TP"))
         return text.plan(encoder=images)
-
-    return strategy
 
 
 def arrival_plan(plan: ol.Plan, microbatches: int, max_tokens: int) -> ol.Plan:
     """The same sampled batch split in arrival order (what per-rank DataLoaders would do)."""
     return (ol.DGraph.from_plan(plan).distribute(plan.axis).cost(ol.attention_flops)
             .balance("arrival", microbatches=microbatches, max_tokens=max_tokens, oversize="split").plan())
+
+
+def print_roles(stats: dict) -> None:
+    """Each role's process and memory, and the queue depths of the Planner and the constructors."""
+    procs = stats["processes"]
+    me = os.getpid()
+    print(f"  {'trainer (this)':>16}: pid {me}, RSS {procs.get(me, {}).get('rss_mib')} MiB, "
+          f"PSS {procs.get(me, {}).get('pss_mib')} MiB")
+    for role, pid in stats["roles"].items():
+        m = procs.get(pid) or procs.get(str(pid)) or {}
+        print(f"  {role:>16}: pid {pid}, RSS {m.get('rss_mib')} MiB, PSS {m.get('pss_mib')} MiB")
+    if "planner" in stats:
+        p = stats["planner"]
+        print(f"  planner: next step {p['next_step']}, steps held {p['steps_held']}, waiting requests "
+              f"{p['waiting_requests']}")
+        for name, c in stats["constructors"].items():
+            print(f"  {name}: steps held {c['steps_held']}, built {c['steps_built']}, waiting fetches "
+                  f"{c['waiting_fetches']}")
 
 
 def parse_mesh(text: str) -> ol.ClientPlaceTree:
@@ -100,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--data", type=Path, default=None, help="where the corpus is cached and the plot written")
     ap.add_argument("--scale", default="demo", choices=["demo", "test"])
     ap.add_argument("--show-plan", action="store_true", help="draw the last step's plan")
+    ap.add_argument("--runtime", default="local", choices=["local", "rpc"],
+                    help="local: every role in this process; rpc: one process per role over torch.distributed.rpc")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
@@ -111,12 +135,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"corpus: {corpus.root} ({time.perf_counter() - t0:.1f} s; rows {rows or 'see manifest.json'})")
     mesh = parse_mesh(args.mesh)
     mesh.attach("encoder", dp=mesh.world_size)
-    print(f"mesh {mesh.describe()} ({mesh.world_size} ranks, every rank simulated here), global batch "
+    print(f"mesh {mesh.describe()} ({mesh.world_size} ranks, every rank simulated here, runtime {args.runtime}), global batch "
           f"{args.global_batch}, {args.microbatches} microbatches of <= {args.max_tokens} tokens, {args.method}")
     sources = [corpus.source(name, seed=args.seed) for name in ("web", "code", "long", "caps")]
-    loader = ol.OverlordLoader(sources, make_strategy(args.method, args.microbatches, args.max_tokens, args.steps),
+    loader = ol.OverlordLoader(sources, DemoStrategy(args.method, args.microbatches, args.max_tokens, args.steps),
                                mesh, rank=None, global_batch=args.global_batch, seq_len=None, seed=args.seed,
-                               workers={"caps": args.workers}, image_token_id=corpus.image_token_id)
+                               workers={"caps": args.workers}, image_token_id=corpus.image_token_id,
+                               runtime=args.runtime)
     from tqdm import tqdm
 
     per_step, worst, samples, tokens = [], None, 0, 0
@@ -169,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, st in stats["sources"].items():
         print(f"  {name:>4}: served {st['served']:>6}, epochs started {st['epochs_started']}, "
               f"buffer {st['buffered']} samples / {st['buffer_bytes'] / 2**20:.1f} MiB, skipped {st['skipped']}")
+    print_roles(stats)
     png = data / "demo_balance.png"
     if worst is not None:
         plot(png, per_step, worst)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .errors import ConfigError, OverlordError
 from .runtime import _rpc_worker as W
-from .runtime.rendezvous import LAYOUT_KEY, SCHEME, connect_store, host_store, is_loopback, register
+from .runtime.rendezvous import LAYOUT_KEY, SCHEME, connect_store, host_store, is_loopback
 from .runtime.rpc_job import RoleConfig, start_roles
 
 log = logging.getLogger("torchdata_overlord.launch")
