@@ -407,3 +407,38 @@ for _ in it:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.slow
+def test_an_exception_in_the_training_loop_stops_every_role(corpus, tmp_path):
+    out = tmp_path / "exc.json"
+    script = f"""
+import json, os, sys
+sys.path.insert(0, {str(TESTS)!r})
+import torchdata_overlord as ol
+from torchdata_overlord.sim.corpus import build_demo_corpus
+from test_rpc_job import make_sources, vlm_strategy, make_mesh
+from multiprocessing import forkserver, resource_tracker
+corpus = build_demo_corpus({str(corpus.root)!r}, scale="test", seed=0)
+roles = []
+try:
+    with ol.OverlordLoader(make_sources(corpus), vlm_strategy, make_mesh(), rank=3, global_batch=8, seq_len=None,
+                           image_token_id=corpus.image_token_id, runtime="rpc", n_workers=3) as loader:
+        for step, batch in enumerate(loader):
+            roles = sorted(set(loader.stats()["roles"].values()))
+            if step == 1:
+                raise RuntimeError("boom in the training loop")
+except RuntimeError as e:
+    error = str(e)
+helpers = {{getattr(forkserver._forkserver, "_forkserver_pid", None), getattr(resource_tracker._resource_tracker, "_pid", None)}}
+kids = [int(c) for c in open(f"/proc/{{os.getpid()}}/task/{{os.getpid()}}/children").read().split()]
+json.dump({{"error": error, "roles": roles, "children": [c for c in kids if c not in helpers]}}, open({str(out)!r}, "w"))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    rep = json.loads(out.read_text())
+    assert rep["error"] == "boom in the training loop" and len(rep["roles"]) == 3
+    assert rep["children"] == []
+    assert not [p for p in rep["roles"] if _alive(p)]

@@ -216,6 +216,8 @@ class OverlordLoader:
         Given after consuming step ``k``, it weighs the plan of step ``k + prefetch``, the first one
         the prefetch thread cannot have built yet; so the stream depends only on the feedback
         sequence (and ``prefetch``), never on timing. Checkpoints keep feedback not yet planned.
+        Where several trainer processes share one rpc job, the Planner takes rank 0's feedback (the
+        group's leader); give every rank the same values (e.g. an all-reduced loss).
         """
         values = {str(k): float(v) for k, v in values.items()}
         entry = [self._consumed[self.K_STEP] + self.prefetch, values]
