@@ -423,16 +423,18 @@ corpus = build_demo_corpus({str(corpus.root)!r}, scale="test", seed=0)
 roles = []
 try:
     with ol.OverlordLoader(make_sources(corpus), vlm_strategy, make_mesh(), rank=3, global_batch=8, seq_len=None,
-                           image_token_id=corpus.image_token_id, runtime="rpc", n_workers=3) as loader:
+                           image_token_id=corpus.image_token_id, runtime="rpc", n_workers=3, spares=1) as loader:
         for step, batch in enumerate(loader):
-            roles = sorted(set(loader.stats()["roles"].values()))
+            stats = loader.stats()
+            roles = sorted(set(stats["roles"].values()))
+            spares = stats["spares"]
             if step == 1:
                 raise RuntimeError("boom in the training loop")
 except RuntimeError as e:
     error = str(e)
 helpers = {{getattr(forkserver._forkserver, "_forkserver_pid", None), getattr(resource_tracker._resource_tracker, "_pid", None)}}
 kids = [int(c) for c in open(f"/proc/{{os.getpid()}}/task/{{os.getpid()}}/children").read().split()]
-json.dump({{"error": error, "roles": roles, "children": [c for c in kids if c not in helpers]}}, open({str(out)!r}, "w"))
+json.dump({{"error": error, "roles": roles, "spares": spares, "children": [c for c in kids if c not in helpers]}}, open({str(out)!r}, "w"))
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -440,5 +442,6 @@ json.dump({{"error": error, "roles": roles, "children": [c for c in kids if c no
 
     rep = json.loads(out.read_text())
     assert rep["error"] == "boom in the training loop" and len(rep["roles"]) == 3
+    assert len(rep["spares"]) == 1 and rep["spares"][0] not in rep["roles"]     # an idle spare process
     assert rep["children"] == []
-    assert not [p for p in rep["roles"] if _alive(p)]
+    assert not [p for p in rep["roles"] + rep["spares"] if _alive(p)]

@@ -70,7 +70,7 @@ class OverlordLoader:
                  pin_memory: bool = False, buffer_size: int | Mapping[str, int] | None = None,
                  workers: int | Mapping[str, int] = 0, image_token_id: int | None = None, pad_id: int = 0,
                  timeout: float = 300.0, n_workers: int | None = None, constructors: int | None = None,
-                 group=None, address: str | None = None):
+                 group=None, address: str | None = None, spares: int = 0):
         if runtime not in RUNTIMES:
             raise ConfigError(f"unknown runtime {runtime!r}; choose 'local' (every role in this process) or 'rpc' "
                               f"(roles in worker processes over torch.distributed.rpc)")
@@ -90,9 +90,10 @@ class OverlordLoader:
         extra = {}
         if runtime == "rpc":
             extra = dict(n_workers=n_workers, timeout=min(timeout, 60.0), constructors=constructors, group=group,
-                         address=address, client=rank if address is not None and rank is not None else None)
-        elif (n_workers, constructors, group, address) != (None, None, None, None):
-            raise ConfigError("n_workers, constructors, group and address are options of runtime='rpc'")
+                         address=address, client=rank if address is not None and rank is not None else None,
+                         spares=spares)
+        elif (n_workers, constructors, group, address, spares) != (None, None, None, None, 0):
+            raise ConfigError("n_workers, constructors, group, address and spares are options of runtime='rpc'")
         self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,
                                       buffer_size=buffer_size, workers=workers, image_token_id=image_token_id,
                                       pad_id=pad_id, **extra)

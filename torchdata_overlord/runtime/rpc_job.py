@@ -171,10 +171,11 @@ def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1) -> No
 class RpcJob:
     """``RpcJob(sources, strategy, mesh, global_batch, seq_len, seed=0, buffer_size=None, workers=0,
     image_token_id=None, pad_id=0, ignore_index=-100, n_workers=None, *, constructors=None, timeout=60,
-    startup_timeout=60, stop_timeout=10, transport=None, group=None, address=None, client=None)``:
+    startup_timeout=60, stop_timeout=10, transport=None, group=None, address=None, client=None, spares=0)``:
     LocalJob's API (``step``, ``submit``, ``state_dict``, ``load_state_dict``, ``add_feedback``,
     ``step_index``, ``stats``, ``close``, context manager) with the roles in worker processes.
-    ``n_workers=None`` gives every role its own process."""
+    ``n_workers=None`` gives every role its own process; ``spares`` more worker processes start
+    with the group and stay idle (RPC membership is fixed at start: a replacement must exist then)."""
 
     PLANNER, LOADERS, FEEDBACK = LocalJob.PLANNER, LocalJob.LOADERS, LocalJob.FEEDBACK
 
@@ -184,7 +185,7 @@ class RpcJob:
                  ignore_index: int = -100, n_workers: int | None = None, *, constructors: int | None = None,
                  timeout: float = 60.0, startup_timeout: float = 60.0, stop_timeout: float = 10.0,
                  transport: Transport | None = None, group=None, address: str | None = None,
-                 client: int | None = None):
+                 client: int | None = None, spares: int = 0):
         if sum(x is not None for x in (transport, group, address)) > 1:
             raise ConfigError("give at most one of transport=, group= and address=")
         clients = 1
@@ -201,7 +202,9 @@ class RpcJob:
         if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
             raise ConfigError(f"n_workers must be an integer >= 1 (or None: one process per role), got {n_workers!r}")
         self.cfg, self.mesh, self.names, self.timeout = cfg, mesh, cfg.names, float(timeout)
-        self.n_workers = n_workers
+        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+            raise ConfigError(f"spares must be an integer >= 0, got {spares!r}")
+        self.n_workers, self.spares = n_workers, spares
         self._closed = False
         self._own_transport = transport is None
         self._gen: int | None = None
@@ -223,7 +226,7 @@ class RpcJob:
             else:
                 from .rpc_transport import RpcTransport
                 self.client = 0
-                self.transport = RpcTransport(n_workers, startup_timeout=startup_timeout, rpc_timeout=self.timeout,
+                self.transport = RpcTransport(n_workers + spares, startup_timeout=startup_timeout, rpc_timeout=self.timeout,
                                               stop_timeout=stop_timeout)
                 start_roles(self.transport, cfg, n_workers)
         except BaseException:
@@ -247,7 +250,8 @@ class RpcJob:
                 sent.append(True)
 
             try:
-                self.transport = RpcTransport(self.n_workers, clients=self.cfg.clients, startup_timeout=startup_timeout,
+                self.transport = RpcTransport(self.n_workers + self.spares, clients=self.cfg.clients,
+                                              startup_timeout=startup_timeout,
                                               rpc_timeout=self.timeout, stop_timeout=stop_timeout, on_rendezvous=publish)
             except BaseException as e:
                 if not sent:            # the others wait in the broadcast: tell them why nothing comes
@@ -372,10 +376,12 @@ class RpcJob:
         roles = {a: got["process", a]["pid"] for a in actors}
         procs = {m["pid"]: m for (kind, _), m in got.items() if kind == "process"}
         procs[os.getpid()] = process_memory()
+        pids = getattr(self.transport, "worker_pids", [])
+        spare_pids = pids[self.n_workers:] if self.client == 0 and self.spares else []
         return {"sources": {n: got["stats", loader_actor(n)] for n in self.names},
                 "planner": got["stats", PLANNER], "client": {"client": self.client, "fetches": self.fetches},
                 "constructors": {a: got["stats", a] for a in actors if a.startswith("constructor:")},
-                "roles": roles, "processes": procs}
+                "roles": roles, "processes": procs, "spares": spare_pids}
 
     def close(self) -> None:
         """Close the loaders (leader; bounded by the timeout, errors ignored), then leave the group."""
