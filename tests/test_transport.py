@@ -191,23 +191,12 @@ def test_rpc_order_errors_timeout(rpc_transport):
 
 @pytest.mark.slow
 def test_rpc_listens_on_loopback_only(rpc_transport):
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    listening = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:       # LISTEN
-                    listening.append((table, cols[1].split(":")[0]))
-    assert listening, "the rpc agent should listen somewhere"
-    assert all(t == "/proc/net/tcp" and addr == "0100007F" for t, addr in listening), listening
+    from torchdata_overlord.runtime.procstats import listening_addresses
+
+    for pid in [os.getpid()] + rpc_transport.worker_pids:
+        listening = listening_addresses(pid)
+        assert listening, f"pid {pid}: the rpc agent should listen somewhere"
+        assert all(a.startswith("127.0.0.1:") for a in listening), (pid, listening)
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ from ..roles.constructor import DataConstructor, bucket_inputs, receives_nothing
 from ..roles.planner import Planner
 from ..roles.source_loader import SourceLoader, record_bytes
 from .local import LocalJob, SourceExhausted
-from .procstats import process_memory
+from .procstats import listening_addresses, process_memory
 from .transport import settle
 
 __all__ = ["PlannerActor", "LoaderActor", "ConstructorActor", "JobReset", "JobClosed", "PLANNER", "loader_actor",
@@ -86,10 +86,10 @@ def gather(futs: Mapping, timeout: float) -> dict:
 
 
 class _Role:
-    """What every role actor answers: its process and memory."""
+    """What every role actor answers: its process, memory and listening sockets."""
 
     def process(self) -> dict:
-        return process_memory(os.getpid())
+        return {**process_memory(os.getpid()), "listening": listening_addresses(os.getpid())}
 
 
 # ------------------------------------------------------------------------------------ Source Loader

@@ -1,10 +1,10 @@
-"""Memory of a process from ``/proc`` (Linux): resident and proportional set sizes, in MiB."""
+"""What ``/proc`` (Linux) tells of a process: memory (RSS/PSS in MiB), open files, listening sockets."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["process_memory"]
+__all__ = ["process_memory", "open_paths", "listening_addresses"]
 
 
 def process_memory(pid: int | None = None) -> dict:
@@ -20,3 +20,42 @@ def process_memory(pid: int | None = None) -> dict:
     except (OSError, ValueError, IndexError):
         pass
     return out
+
+
+def _fd_links(pid: int) -> list[str]:
+    out = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+    return out
+
+
+def open_paths(pid: int, suffix: str = "") -> list[str]:
+    """Files process ``pid`` holds open (ending in ``suffix``), from ``/proc/<pid>/fd``."""
+    return sorted({p for p in _fd_links(pid) if p.startswith("/") and p.endswith(suffix)})
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """The TCP addresses process ``pid`` listens on: ``"127.0.0.1:port"``, or ``"[<ipv6 hex>]:port"``."""
+    inodes = {link[8:-1] for link in _fd_links(pid) if link.startswith("socket:[")}
+    found = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            with open(table) as f:
+                rows = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in rows:
+            cols = line.split()
+            if cols[3] != "0A" or cols[9] not in inodes:          # 0A: LISTEN
+                continue
+            addr, port = cols[1].split(":")
+            host = f"[{addr}]" if v6 else ".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0))
+            found.append(f"{host}:{int(port, 16)}")
+    return sorted(found)
