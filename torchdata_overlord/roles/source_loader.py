@@ -167,6 +167,16 @@ class SourceLoader(BaseNode[tuple]):
             self._taken = {}
         return out
 
+    def replay(self, snapshot: dict, consumed: Iterable[Iterable[int]]) -> dict:
+        """Differential restore: back to ``snapshot`` (a :meth:`get_state`), then redo each later
+        step's consumption (fill the buffer, take that step's indices, in order). The result is the
+        state those steps left, because filling and taking are deterministic; returns it."""
+        self.reset(snapshot)
+        for indices in consumed:
+            self.fill()
+            self.take(indices)
+        return self.get_state()
+
     def stats(self) -> dict:
         """Buffer size and bytes, samples served, epochs started, exhaustion and skipped samples."""
         return {"buffered": len(self._buffer), "buffer_bytes": self.buffer_bytes, "served": self.served,

@@ -38,6 +38,11 @@ def worker_name(i: int) -> str:
     return f"overlord-worker-{i}"
 
 
+def worker_index(name: str) -> int:
+    """The index ``i`` of ``overlord-worker-<i>``."""
+    return int(str(name).rsplit("-", 1)[1])
+
+
 def client_name(c: int) -> str:
     return f"overlord-client-{c}"
 
@@ -185,9 +190,9 @@ def map_error(e: BaseException, actor: str, method: str, timeout: float) -> Base
     """An RPC-level failure as CallTimeout (no answer in time) or ActorDied (peer gone)."""
     text = str(e).lower()
     if any(s in text for s in _TIMEOUT):
-        return CallTimeout(f"{actor}.{method}() got no answer within its timeout of {timeout:g} s")
+        return CallTimeout(f"{actor}.{method}() got no answer within its timeout of {timeout:g} s", actor)
     if any(s in text for s in _DEAD_PEER):
-        return ActorDied(f"actor {actor!r} is unreachable, its process is gone ({method}()): {e}")
+        return ActorDied(f"actor {actor!r} is unreachable, its process is gone ({method}()): {e}", actor)
     return ActorError(f"{actor}.{method}() failed in the transport: {type(e).__name__}: {e}")
 
 
@@ -230,6 +235,23 @@ class RpcPeers:
 
     def call(self, name: str, method: str, *args, timeout: float, **kwargs) -> cf.Future:
         return call_actor(self.placement[name], name, method, args, kwargs, timeout)
+
+    def spawn(self, name: str, factory, args: tuple, worker: str, timeout: float = 60.0) -> None:
+        """Start a (replacement) actor on RPC worker ``worker`` and remember where it lives."""
+        try:
+            failure = rpc.rpc_sync(worker, _create, args=(name, factory, args, {}), timeout=timeout)
+        except BaseException as e:          # noqa: BLE001
+            raise map_error(e, name, "__init__", timeout) from e
+        if isinstance(failure, Failure):
+            raise failure.rebuild(name, "__init__")
+        self.placement[name] = worker
+
+    def learn(self, where: dict[str, str]) -> None:
+        """Placement news (actor -> RPC worker name), e.g. a replacement started elsewhere."""
+        self.placement.update(where)
+
+    def where(self, name: str) -> str:
+        return self.placement[name]
 
 
 # ------------------------------------------------------------------------------ role worker processes

@@ -27,21 +27,39 @@ torch.distributed.rpc can be initialised once per process, so a process can be i
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import os
 import pickle
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import ConfigError
 from ..plane.place_tree import ClientPlaceTree
 from ..sources.parquet import ParquetSource
-from .actors import (PLANNER, ConstructorActor, LoaderActor, PlannerActor, constructor_actor, gather, loader_actor,
-                     role_names)
+from .actors import (PLANNER, ConstructorActor, JobReset, LoaderActor, constructor_actor, gather, loader_actor,
+                     role_names, shadow_actor)
+from .checkpoint_store import CheckpointStore
+from .planner_actor import FaultPolicy, PlannerActor, RoleLost
 from .local import LocalJob, StepResult, source_settings
 from .procstats import process_memory
-from .transport import Transport, settle
+from .transport import ActorDied, CallTimeout, Transport, check_timeout, settle
 
 __all__ = ["RpcJob", "SourceSpec", "RoleConfig", "start_roles"]
+
+RECOVERABLE = (JobReset, ActorDied, CallTimeout)
+
+
+class _Request:
+    """One step a client asked for, until it is answered (asked again after a failure)."""
+
+    def __init__(self, step: int, wanted: list, consumed: int):
+        self.step, self.wanted, self.consumed = step, wanted, consumed
+        self.out: cf.Future = cf.Future()
+        self.out.step, self.out.reissued = step, False
+        self.attempt, self.gen_seen = 0, -1
+        self.first_failure: float | None = None
 
 
 @dataclass
@@ -102,6 +120,9 @@ class RoleConfig:
     constructors: int | None = None
     clients: int = 1
     timeout: float = 60.0
+    checkpoint_dir: str | None = None       # the store of Planner/constructor checkpoints and loader snapshots
+    snapshot_every: int = 10                # steps between Source Loader snapshots
+    shadows: bool = False                   # a hot-standby Source Loader per source
 
     def __post_init__(self) -> None:
         self.specs = [SourceSpec.from_source(s) for s in self.specs]
@@ -132,11 +153,28 @@ class RoleConfig:
 
     @property
     def roles(self) -> list[str]:
-        return role_names(self.names, self.constructors)
+        return role_names(self.names, self.constructors, self.shadows)
 
     def placement(self, n_workers: int) -> dict[str, int]:
-        """actor -> worker index: role ``j`` (Planner, loaders, constructors) on worker ``j % n_workers``."""
-        return {a: j % n_workers for j, a in enumerate(self.roles)}
+        """actor -> worker index: role ``j`` (Planner, loaders, constructors, shadows) on worker
+        ``j % n_workers``, except that a shadow never shares its primary's worker when another exists."""
+        where = {a: j % n_workers for j, a in enumerate(self.roles)}
+        for n in self.names if self.shadows else []:
+            if where[shadow_actor(n)] == where[loader_actor(n)] and n_workers > 1:
+                where[shadow_actor(n)] = (where[loader_actor(n)] + 1) % n_workers
+        return where
+
+    def store(self) -> CheckpointStore | None:
+        return None if self.checkpoint_dir is None else CheckpointStore(self.checkpoint_dir)
+
+    def loader_args(self, spec: SourceSpec) -> tuple:
+        return (spec, self.get(self.buffer_size, spec.name, self.global_batch), self.get(self.workers, spec.name, 0),
+                self.image_token_id, self.timeout)
+
+    def policy(self, spares: list) -> FaultPolicy:
+        return FaultPolicy(self.store(), self.snapshot_every, self.shadows, list(spares),
+                           {spec.name: self.loader_args(spec) for spec in self.specs},
+                           (self.seq_len, self.pad_id, self.ignore_index, self.image_token_id))
 
     def fingerprint(self) -> dict:
         """What a client must agree on with the roles it joins."""
@@ -145,27 +183,30 @@ class RoleConfig:
                 "constructors": self.constructors, "clients": self.clients}
 
 
-def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1) -> None:
+def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1, spares: list | None = None) -> None:
     """Start every role of ``cfg`` on ``transport`` (placed by :meth:`RoleConfig.placement` when the
-    transport places actors), each knowing where the others are."""
+    transport places actors), each knowing where the others are; ``spares`` (RPC worker names) is
+    where the Planner starts replacements."""
     if cfg.strategy is None or any(s.paths is None for s in cfg.specs):
         raise ConfigError("starting the roles needs the strategy and every source (not just its name)")
     where = cfg.placement(n_workers)
     placed = hasattr(transport, "place")
     if placed:
         transport.place(where)
-    peers = transport.peers()
+    peers, store = transport.peers(), cfg.store()
+    policy = cfg.policy(spares or [])
 
     def start(name, factory, *args):
         transport.start_actor(name, factory, *args, **({"worker": where[name]} if placed else {}))
 
     start(PLANNER, PlannerActor, cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors,
-          cfg.clients, cfg.timeout, peers)
+          cfg.clients, cfg.timeout, peers, policy)
     for spec in cfg.specs:
-        start(loader_actor(spec.name), LoaderActor, spec, cfg.get(cfg.buffer_size, spec.name, cfg.global_batch),
-              cfg.get(cfg.workers, spec.name, 0), cfg.image_token_id, cfg.timeout, peers)
+        start(loader_actor(spec.name), LoaderActor, *cfg.loader_args(spec), peers, store, cfg.snapshot_every)
+        if cfg.shadows:
+            start(shadow_actor(spec.name), LoaderActor, *cfg.loader_args(spec), peers, store, cfg.snapshot_every)
     for c in range(cfg.constructors):
-        start(constructor_actor(c), ConstructorActor, c, cfg.seq_len, cfg.pad_id, cfg.ignore_index, cfg.image_token_id)
+        start(constructor_actor(c), ConstructorActor, c, *policy.constructor_args, store)
 
 
 class RpcJob:
@@ -185,7 +226,8 @@ class RpcJob:
                  ignore_index: int = -100, n_workers: int | None = None, *, constructors: int | None = None,
                  timeout: float = 60.0, startup_timeout: float = 60.0, stop_timeout: float = 10.0,
                  transport: Transport | None = None, group=None, address: str | None = None,
-                 client: int | None = None, spares: int = 0):
+                 client: int | None = None, spares: int = 0, checkpoint_dir: str | None = None,
+                 snapshot_every: int = 10, shadows: bool = False, recovery_timeout: float = 120.0):
         if sum(x is not None for x in (transport, group, address)) > 1:
             raise ConfigError("give at most one of transport=, group= and address=")
         clients = 1
@@ -196,7 +238,8 @@ class RpcJob:
             self._pg = None if group in (True, "default") else group
             clients = dist.get_world_size(self._pg)
         cfg = RoleConfig(list(sources), strategy, mesh, global_batch, seq_len, seed, buffer_size, workers,
-                         image_token_id, pad_id, ignore_index, constructors, clients, timeout)
+                         image_token_id, pad_id, ignore_index, constructors, clients, timeout, checkpoint_dir,
+                         snapshot_every, bool(shadows))
         if n_workers is None:
             n_workers = len(cfg.roles)
         if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
@@ -205,6 +248,12 @@ class RpcJob:
         if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
             raise ConfigError(f"spares must be an integer >= 0, got {spares!r}")
         self.n_workers, self.spares = n_workers, spares
+        self.recovery_timeout = check_timeout(recovery_timeout)
+        self.planner_name = PLANNER
+        self.faults = {"failures": [], "recoveries": [], "reissued": 0}
+        self._requests: dict[int, _Request] = {}        # step -> request not yet answered
+        self._recovery_lock = threading.Lock()
+        self._recovery = cf.ThreadPoolExecutor(1, thread_name_prefix="overlord-recovery")
         self._closed = False
         self._own_transport = transport is None
         self._gen: int | None = None
@@ -216,7 +265,7 @@ class RpcJob:
             if transport is not None:
                 self.client = 0
                 self.transport = transport
-                start_roles(transport, cfg, getattr(transport, "n_workers", 1))
+                start_roles(transport, cfg, getattr(transport, "n_workers", 1), self._spare_names())
             elif group is not None:
                 self._start_in_group(startup_timeout, stop_timeout)
             elif address is not None:
@@ -228,7 +277,7 @@ class RpcJob:
                 self.client = 0
                 self.transport = RpcTransport(n_workers + spares, startup_timeout=startup_timeout, rpc_timeout=self.timeout,
                                               stop_timeout=stop_timeout)
-                start_roles(self.transport, cfg, n_workers)
+                start_roles(self.transport, cfg, n_workers, self._spare_names())
         except BaseException:
             self.close()
             raise
@@ -257,7 +306,7 @@ class RpcJob:
                 if not sent:            # the others wait in the broadcast: tell them why nothing comes
                     dist.broadcast_object_list([{"error": f"{type(e).__name__}: {e}"}], src=src, group=pg)
                 raise
-            start_roles(self.transport, self.cfg, self.n_workers)
+            start_roles(self.transport, self.cfg, self.n_workers, self._spare_names())
         else:
             box = [None]
             dist.broadcast_object_list(box, src=src, group=pg)
@@ -267,15 +316,28 @@ class RpcJob:
                                                stop_timeout=stop_timeout)
             self.transport.place(self.cfg.placement(self.n_workers))
 
+    def _spare_names(self) -> list[str]:
+        """Where replacements start: the spare workers (any name in one process)."""
+        from ._rpc_worker import worker_name
+        if not hasattr(self.transport, "place"):
+            return ["in-process"] if self.spares else []
+        return [worker_name(self.n_workers + i) for i in range(self.spares)]
+
     # ------------------------------------------------------------------------------ calls
 
     def _call(self, actor: str, method: str, *args):
         return self.transport.call(actor, method, *args, timeout=self.timeout)
 
     def _attach(self, state: Mapping | None, step: int) -> None:
-        got = self._call(PLANNER, "attach", self.client, state if self.client == 0 else None, step)
+        got = self._call(self.planner_name, "attach", self.client, state if self.client == 0 else None, step)
         reply = got.result(self.timeout + 5)
         self._gen, self._next = reply["gen"], reply["step"]
+
+    def _learn(self, where: Mapping[str, str]) -> None:
+        """Replacements started by the Planner: tell our transport where they live."""
+        if where and hasattr(self.transport, "place"):
+            from ._rpc_worker import worker_index
+            self.transport.place({a: worker_index(w) for a, w in where.items()})
 
     # ------------------------------------------------------------------------------ LocalJob API
 
@@ -290,7 +352,7 @@ class RpcJob:
         if not self.is_leader:
             return
         self._check_feedback()
-        self._feedback_futs.append(self._call(PLANNER, "add_feedback", int(step),
+        self._feedback_futs.append(self._call(self.planner_name, "add_feedback", int(step),
                                               {str(k): float(v) for k, v in values.items()}))
 
     def _check_feedback(self) -> None:
@@ -306,58 +368,154 @@ class RpcJob:
     def submit(self, ranks: Iterable[int] | None = None, consumed: int | None = None) -> cf.Future:
         """Ask for the next step for ``ranks`` (all when None); a future of its :class:`StepResult`
         (with ``state``, the job's state after it). ``consumed``: steps this client has consumed
-        (default: all before this one), so the roles can free what every client has used."""
+        (default: all before this one), so the roles can free what every client has used. A request
+        that fails because a role failed is asked again once the role is replaced (the future's
+        ``reissued`` attribute is then True)."""
         if self._gen is None:
             self._attach(None, self._next)
         self._check_feedback()
         step = self._next
         self._next += 1
         wanted = list(range(self.mesh.world_size)) if ranks is None else [self.mesh._check_rank(int(r)) for r in ranks]
-        gen, out = self._gen, cf.Future()
-        routed = self._call(PLANNER, "ensure", self.client, gen, step, step if consumed is None else int(consumed),
-                            self.is_leader)
+        req = _Request(step, wanted, step if consumed is None else int(consumed))
+        self._requests[step] = req
+        self._issue(req)
+        return req.out
 
-        def on_route(f: cf.Future) -> None:
+    def _issue(self, req: "_Request") -> None:
+        req.attempt += 1
+        attempt, gen = req.attempt, self._gen
+        try:
+            routed = self._call(self.planner_name, "ensure", self.client, gen, req.step, req.consumed, self.is_leader)
+        except BaseException as e:          # noqa: BLE001
+            self._failed(req, attempt, gen, e)
+            return
+        routed.add_done_callback(lambda f: self._on_route(req, attempt, gen, f))
+
+    def _on_route(self, req: "_Request", attempt: int, gen: int, f: cf.Future) -> None:
+        try:
+            info = f.result()
+            self._learn(info.get("where"))
+            names = info["constructors"]
+            by_c: dict[int, list] = {}
+            for r in req.wanted:
+                if info["routing"][r] >= 0:
+                    by_c.setdefault(info["routing"][r], []).append(r)
+            parts = [self._call(names[c], "fetch", gen, req.step, rs) for c, rs in by_c.items()]
+            self.fetches += len(parts)
+        except BaseException as e:     # noqa: BLE001
+            self._failed(req, attempt, gen, e)
+            return
+        remaining = [len(parts)]
+
+        def finish():
             try:
-                info = f.result()
-                by_c: dict[int, list] = {}
-                for r in wanted:
-                    if info["routing"][r] >= 0:
-                        by_c.setdefault(info["routing"][r], []).append(r)
-                parts = [self._call(constructor_actor(c), "fetch", gen, step, rs) for c, rs in by_c.items()]
-                self.fetches += len(parts)
-            except BaseException as e:     # noqa: BLE001
-                settle(out, exc=e)
+                outputs = dict(info["empty"])
+                for p in parts:
+                    outputs.update(p.result(0))
+                res = StepResult(req.step, info["plan"], {r: outputs[r] for r in req.wanted}, info["state"])
+            except BaseException as e:  # noqa: BLE001
+                self._failed(req, attempt, gen, e)
                 return
-            remaining = [len(parts)]
+            if attempt == req.attempt and settle(req.out, res):
+                self._requests.pop(req.step, None)
 
-            def on_part(_):
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
-                try:
-                    outputs = dict(info["empty"])
-                    for p in parts:
-                        outputs.update(p.result(0))
-                    settle(out, StepResult(step, info["plan"], {r: outputs[r] for r in wanted}, info["state"]))
-                except BaseException as e:  # noqa: BLE001
-                    settle(out, exc=e)
+        def on_part(_):
+            remaining[0] -= 1
+            if not remaining[0]:
+                finish()
 
-            for p in parts:
-                p.add_done_callback(on_part)
-            if not parts:
-                settle(out, StepResult(step, info["plan"], {r: info["empty"][r] for r in wanted}, info["state"]))
+        for p in parts:
+            p.add_done_callback(on_part)
+        if not parts:
+            finish()
 
-        routed.add_done_callback(on_route)
-        return out
+    # ------------------------------------------------------------------------------ recovery
+
+    def _failed(self, req: "_Request", attempt: int, gen: int, err: BaseException) -> None:
+        if attempt != req.attempt or req.out.done():
+            return                          # an older attempt; a newer one is on its way
+        if not isinstance(err, RECOVERABLE):
+            settle(req.out, exc=err)
+            return
+        self.faults["failures"].append({"step": req.step, "error": f"{type(err).__name__}: {str(err)[:200]}",
+                                        "actor": getattr(err, "actor", None)})
+        if req.first_failure is None:
+            req.first_failure = time.monotonic()
+        try:
+            self._recovery.submit(self._recover_and_reissue, req, attempt, gen, err)
+        except RuntimeError:                # closed
+            settle(req.out, exc=err)
+
+    def _recover_and_reissue(self, req: "_Request", attempt: int, gen: int, err: BaseException) -> None:
+        if attempt != req.attempt or req.out.done() or self._closed:
+            return
+        try:
+            with self._recovery_lock:
+                if self._gen == gen:         # nobody recovered from this failure yet
+                    self._recover(err, req.step)
+            if time.monotonic() - req.first_failure > self.recovery_timeout:
+                raise RoleLost(f"step {req.step} could not be delivered within recovery_timeout="
+                               f"{self.recovery_timeout:g} s after a failure ({err})")
+        except BaseException as e:          # noqa: BLE001 - the trainer's next() raises it
+            settle(req.out, exc=e)
+            return
+        self.faults["reissued"] += 1
+        req.out.reissued = True
+        for other in sorted(self._requests.values(), key=lambda r: r.step):   # everything of the old generation
+            if other.out.done() or (other is not req and other.gen_seen >= self._gen):
+                continue
+            other.gen_seen = self._gen
+            self._issue(other)
+
+    def _recover(self, err: BaseException, step: int) -> None:
+        """Replace what failed (leader), or learn the new generation (everyone)."""
+        t0 = time.monotonic()
+        actor = getattr(err, "actor", None)
+        how = "new generation"
+        if isinstance(err, JobReset) or actor is None:
+            pass
+        elif actor == self.planner_name:
+            if not self.is_leader:
+                raise RoleLost(f"client {self.client} lost the Planner ({err}); only client 0 (the leader) can "
+                               f"replace it") from err
+            self._replace_planner(err)
+            how = "replaced the Planner"
+        elif actor.startswith("constructor"):
+            info = self._call(self.planner_name, "report_failure", actor, step).result(self.recovery_timeout)
+            self._learn(info["where"])
+            how = "constructor replaced by the Planner"
+        info = self._call(self.planner_name, "generation").result(self.timeout + 5)
+        self._learn(info["where"])
+        self._gen = info["gen"]
+        self.faults["recoveries"].append({"step": step, "actor": actor, "how": how,
+                                          "seconds": round(time.monotonic() - t0, 4)})
+
+    def _replace_planner(self, err: BaseException) -> None:
+        spares = self._spare_names()
+        if not spares or self.cfg.checkpoint_dir is None:
+            raise RoleLost(f"the Planner failed ({err}) and cannot be replaced: give the job spares= and "
+                           f"checkpoint_dir=") from err
+        n = sum(1 for r in self.faults["recoveries"] if r["how"] == "replaced the Planner") + 1
+        name, cfg = f"{PLANNER}#{n}", self.cfg
+        kw = {}
+        if hasattr(self.transport, "place"):
+            from ._rpc_worker import worker_index
+            kw["worker"] = worker_index(spares[(n - 1) % len(spares)])
+        self.transport.start_actor(name, PlannerActor, cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names,
+                                   cfg.constructors, cfg.clients, cfg.timeout, self.transport.peers(),
+                                   cfg.policy(spares), **kw)
+        self.planner_name = name
+        info = self._call(name, "recover").result(self.recovery_timeout)
+        self._learn(info["where"])
 
     def step(self, ranks: Iterable[int] | None = None) -> StepResult:
         """Plan and build the next step for ``ranks`` (all ranks when None)."""
-        return self.submit(ranks).result(self.timeout + 10)
+        return self.submit(ranks).result(self.timeout + self.recovery_timeout + 10)
 
     def state_dict(self) -> dict:
         """The job's state at the Planner's current position (no step in flight)."""
-        return self._call(PLANNER, "state_dict").result(self.timeout + 5)
+        return self._call(self.planner_name, "state_dict").result(self.timeout + 5)
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restart at ``state`` (the leader resets every role; another client checks it starts at the
@@ -367,10 +525,17 @@ class RpcJob:
             raise ConfigError(f"state has sources {sorted(theirs)}, this job has {sorted(ours)}")
         self._attach(dict(state), int(state[self.PLANNER]["step"]))
 
+    def _serving(self) -> list[str]:
+        """Every actor that serves now (replacements included), asking the Planner."""
+        info = self._call(self.planner_name, "roles").result(self.timeout + 5)
+        self._learn(info["where"])
+        shadows = [a for a in info["shadows"].values() if a]
+        return [self.planner_name] + list(info["loaders"].values()) + list(info["constructors"]) + shadows, info
+
     def stats(self) -> dict:
-        """Per-source loader stats, per-constructor and Planner queue depths, each role's process and memory."""
-        actors = [PLANNER] + [loader_actor(n) for n in self.names] + \
-            [constructor_actor(c) for c in range(self.cfg.constructors)]
+        """Per-source loader stats, Planner and constructor queue depths, recoveries, each role's process
+        and memory, and this client's failures and reissued requests."""
+        actors, info = self._serving()
         got = gather({("stats", a): self._call(a, "stats") for a in actors} |
                      {("process", a): self._call(a, "process") for a in actors}, self.timeout)
         roles = {a: got["process", a]["pid"] for a in actors}
@@ -378,21 +543,27 @@ class RpcJob:
         procs[os.getpid()] = process_memory()
         pids = getattr(self.transport, "worker_pids", [])
         spare_pids = pids[self.n_workers:] if self.client == 0 and self.spares else []
-        return {"sources": {n: got["stats", loader_actor(n)] for n in self.names},
-                "planner": got["stats", PLANNER], "client": {"client": self.client, "fetches": self.fetches},
-                "constructors": {a: got["stats", a] for a in actors if a.startswith("constructor:")},
+        return {"sources": {n: got["stats", a] for n, a in info["loaders"].items()},
+                "planner": got["stats", self.planner_name],
+                "client": {"client": self.client, "fetches": self.fetches, "faults": copy.deepcopy(self.faults)},
+                "constructors": {a: got["stats", a] for a in info["constructors"]},
                 "roles": roles, "processes": procs, "spares": spare_pids}
 
     def close(self) -> None:
-        """Close the loaders (leader; bounded by the timeout, errors ignored), then leave the group."""
+        """Close the roles (leader; bounded by the timeout, errors ignored), then leave the group."""
         if self._closed:
             return
         self._closed = True
+        self._recovery.shutdown(wait=False, cancel_futures=True)
         try:
             if self.transport is not None and self.client == 0:
+                try:
+                    actors = self._serving()[0]
+                except Exception:            # noqa: BLE001 - the Planner may be gone: close what we know
+                    actors = [self.planner_name] + [loader_actor(n) for n in self.names] + \
+                        [constructor_actor(c) for c in range(self.cfg.constructors)]
                 futs = []
-                for a in [PLANNER] + [loader_actor(n) for n in self.names] + \
-                        [constructor_actor(c) for c in range(self.cfg.constructors)]:
+                for a in actors:
                     try:
                         futs.append(self.transport.call(a, "close", timeout=self.timeout))
                     except Exception:        # noqa: BLE001 - the actor may never have started

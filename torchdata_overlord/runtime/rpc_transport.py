@@ -226,7 +226,7 @@ class RpcTransport(Transport):
             self._started.add(name)
         try:
             if self._procs and not self._procs[i].is_alive():
-                raise ActorDied(f"cannot start actor {name!r}: its worker {W.worker_name(i)} is dead")
+                raise ActorDied(f"cannot start actor {name!r}: its worker {W.worker_name(i)} is dead", name)
             fut = rpc.rpc_async(W.worker_name(i), W._create, args=(name, factory, args, kwargs),
                                 timeout=self.startup_timeout)
             try:
@@ -283,7 +283,7 @@ class RpcTransport(Transport):
     def _died(self, name: str, method: str) -> ActorDied:
         i = self._placement[name]
         return ActorDied(f"actor {name!r} is dead: its worker process {W.worker_name(i)} (pid "
-                         f"{self._procs[i].pid}) exited with code {self._procs[i].exitcode} (calling {method}())")
+                         f"{self._procs[i].pid}) exited with code {self._procs[i].exitcode} (calling {method}())", name)
 
     def _map_error(self, e: BaseException, name: str, method: str, timeout: float) -> BaseException:
         err = W.map_error(e, name, method, timeout)

@@ -35,11 +35,25 @@ from ..errors import ConfigError, OverlordError
 __all__ = ["Transport", "InProcessTransport", "ActorDied", "CallTimeout", "ActorError", "TransportClosed"]
 
 
-class ActorDied(OverlordError, RuntimeError):
+class _ActorFailure:
+    """Mixin: the failure names its actor (``.actor``), also after pickling across processes."""
+
+    def __init__(self, message: str, actor: str | None = None):
+        super().__init__(message, actor)
+        self.actor = actor
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self):
+        return type(self), (self.args[0], self.actor)
+
+
+class ActorDied(_ActorFailure, OverlordError, RuntimeError):
     """The process hosting an actor died; every call to it fails with this."""
 
 
-class CallTimeout(OverlordError, TimeoutError):
+class CallTimeout(_ActorFailure, OverlordError, TimeoutError):
     """A call got no answer within its timeout (the method may still be running)."""
 
 
@@ -160,7 +174,7 @@ class _ActorThread:
     _STOP = object()
 
     def __init__(self, name: str, obj: object):
-        self.name, self.obj = name, obj
+        self.name, self.obj, self.killed = name, obj, False
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"overlord-actor-{name}", daemon=True)
         self.thread.start()
@@ -169,9 +183,13 @@ class _ActorThread:
         while True:
             item = self.queue.get()
             if item is self._STOP:
+                self._fail_queued()
                 return
             fut, method, args, kwargs = item
             if fut.cancelled():
+                continue
+            if self.killed:
+                settle(fut, exc=ActorDied(f"actor {self.name!r} was killed ({method}())", self.name))
                 continue
             try:
                 result = getattr(self.obj, method)(*args, **kwargs)
@@ -182,6 +200,15 @@ class _ActorThread:
                     result.add_done_callback(lambda f, fut=fut, m=method: _forward(f, fut, self.name, m))
                 else:
                     settle(fut, result)
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not self._STOP:
+                settle(item[0], exc=ActorDied(f"actor {self.name!r} stopped before {item[1]}() ran", self.name))
 
 
 def _forward(src: cf.Future, dst: cf.Future, actor: str, method: str) -> None:
@@ -202,6 +229,7 @@ class InProcessTransport(Transport):
     def __init__(self, stop_timeout: float = 5.0):
         self.stop_timeout = check_timeout(stop_timeout)
         self._actors: dict[str, _ActorThread] = {}
+        self._killed: set[str] = set()
         self._lock = threading.Lock()
         self._closed = False
         self._deadlines = Deadlines("overlord-inprocess-deadlines")
@@ -223,17 +251,36 @@ class InProcessTransport(Transport):
             if actor is None:
                 raise ConfigError(f"no actor named {name!r}; actors: {sorted(self._actors)}")
             fut: cf.Future = cf.Future()
+            if name in self._killed:
+                fut.set_exception(ActorDied(f"actor {name!r} was killed ({method}())", name))
+                return fut
             actor.queue.put((fut, method, args, kwargs))
         self._deadlines.add(fut, timeout, lambda: CallTimeout(
-            f"{name}.{method}() got no answer within its timeout of {timeout:g} s"))
+            f"{name}.{method}() got no answer within its timeout of {timeout:g} s", name))
         return fut
 
     def is_alive(self, name: str) -> bool:
         actor = self._actors.get(name)
-        return actor is not None and not self._closed and actor.thread.is_alive()
+        return actor is not None and not self._closed and actor.thread.is_alive() and name not in self._killed
 
     def peers(self) -> "InProcessTransport":
         return self
+
+    # the peers interface actors use to replace each other (see RpcPeers)
+    def spawn(self, name: str, factory: Callable[..., object], args: tuple, worker: str | None = None) -> None:
+        """Start a (replacement) actor; ``worker`` is ignored: every actor lives in this process."""
+        self.start_actor(name, factory, *args)
+
+    def learn(self, where: dict) -> None:
+        """Placement news from another actor: nothing to learn in one process."""
+
+    def kill(self, name: str) -> None:
+        """Failure injection: actor ``name`` dies; its queued and future calls fail with ActorDied."""
+        with self._lock:
+            actor = self._actors[name]
+            self._killed.add(name)
+            actor.killed = True
+        actor.queue.put(_ActorThread._STOP)
 
     def stop(self) -> None:
         import time
