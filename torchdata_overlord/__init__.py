@@ -11,7 +11,8 @@ The public API, in the order a training script meets it:
 * the roles: :class:`Planner` (runs a strategy on buffer metadata, one :class:`Plan` per step);
 * the metadata a Source Loader reports: :class:`BufferMeta`;
 * real data: :class:`ParquetSource` with the sample transforms :class:`Tokenize` and :class:`ImageText`;
-* the trainer's drop-in ``DataLoader``: :class:`OverlordLoader`.
+* the trainer's drop-in ``DataLoader``: :class:`OverlordLoader`, with :class:`FaultTolerance` to
+  keep feeding through failed roles under ``runtime="rpc"``.
 """
 
 from .errors import BufferShortageError, ConfigError, OverlordError, OversizeSampleError
@@ -19,7 +20,7 @@ from .plane import (AttentionFlops, BufferMeta, ClientPlaceTree, Constant, Cosin
                     FromCallable, Linear, Piecewise, Plan, PlanItem, SampleKey, Schedule, attention_flops,
                     encoder_cost, token_count)
 from .plane.balancing import BinProblem, register_balancer
-from .loader import OverlordLoader
+from .loader import FaultTolerance, OverlordLoader
 from .roles import Planner
 from .sources import ParquetSource, SourceReadError
 from .transforms import ImageText, Tokenize
@@ -27,7 +28,7 @@ from .transforms import ImageText, Tokenize
 __version__ = "0.1.0"
 
 __all__ = [
-    "OverlordLoader", "ParquetSource", "Tokenize", "ImageText",
+    "OverlordLoader", "FaultTolerance", "ParquetSource", "Tokenize", "ImageText",
     "ClientPlaceTree", "DGraph", "Plan", "PlanItem", "SampleKey", "BufferMeta", "Planner",
     "Schedule", "Constant", "Piecewise", "Linear", "Cosine", "FromCallable", "Dynamic",
     "token_count", "AttentionFlops", "attention_flops", "EncoderCost", "encoder_cost",

@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -28,7 +29,7 @@ from .plane.place_tree import ClientPlaceTree
 from .runtime.local import LocalJob, SourceExhausted
 from .runtime.rpc_job import RpcJob
 
-__all__ = ["OverlordLoader"]
+__all__ = ["OverlordLoader", "FaultTolerance"]
 
 log = logging.getLogger("torchdata_overlord")
 RUNTIMES = {"local": LocalJob, "rpc": RpcJob}
@@ -42,6 +43,27 @@ def _pin(x):
     if isinstance(x, list):
         return [_pin(v) for v in x]
     return x
+
+
+@dataclass
+class FaultTolerance:
+    """Keep feeding through failed roles (``runtime="rpc"``, paper section 6.1).
+
+    ``checkpoint_dir`` (a path or ``pyarrow.fs`` URI) receives the Planner's checkpoint every step
+    and each Source Loader's snapshot every ``snapshot_every`` steps; ``shadows`` starts a standby
+    loader per source; a role that does not answer within ``call_timeout`` seconds counts as failed;
+    a step not delivered within ``recovery_timeout`` seconds of a failure raises in ``next()``.
+    Replacements start on the loader's ``spares`` processes."""
+
+    checkpoint_dir: str | None = None
+    shadows: bool = True
+    snapshot_every: int = 10
+    call_timeout: float = 30.0
+    recovery_timeout: float = 120.0
+
+    def job_options(self) -> dict:
+        return {"checkpoint_dir": self.checkpoint_dir, "shadows": self.shadows, "snapshot_every": self.snapshot_every,
+                "timeout": self.call_timeout, "recovery_timeout": self.recovery_timeout}
 
 
 class OverlordLoader:
@@ -70,7 +92,8 @@ class OverlordLoader:
                  pin_memory: bool = False, buffer_size: int | Mapping[str, int] | None = None,
                  workers: int | Mapping[str, int] = 0, image_token_id: int | None = None, pad_id: int = 0,
                  timeout: float = 300.0, n_workers: int | None = None, constructors: int | None = None,
-                 group=None, address: str | None = None, spares: int = 0):
+                 group=None, address: str | None = None, spares: int = 0,
+                 fault_tolerance: "FaultTolerance | None" = None):
         if runtime not in RUNTIMES:
             raise ConfigError(f"unknown runtime {runtime!r}; choose 'local' (every role in this process) or 'rpc' "
                               f"(roles in worker processes over torch.distributed.rpc)")
@@ -92,8 +115,11 @@ class OverlordLoader:
             extra = dict(n_workers=n_workers, timeout=min(timeout, 60.0), constructors=constructors, group=group,
                          address=address, client=rank if address is not None and rank is not None else None,
                          spares=spares)
-        elif (n_workers, constructors, group, address, spares) != (None, None, None, None, 0):
-            raise ConfigError("n_workers, constructors, group, address and spares are options of runtime='rpc'")
+            if fault_tolerance is not None:
+                extra.update(fault_tolerance.job_options())
+        elif (n_workers, constructors, group, address, spares, fault_tolerance) != (None, None, None, None, 0, None):
+            raise ConfigError("n_workers, constructors, group, address, spares and fault_tolerance are options of "
+                              "runtime='rpc'")
         self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,
                                       buffer_size=buffer_size, workers=workers, image_token_id=image_token_id,
                                       pad_id=pad_id, **extra)
@@ -110,6 +136,7 @@ class OverlordLoader:
         self.last_plan = None              # the Plan of the step the trainer consumed last (stats, render)
         self._feedback: list[list] = []    # [step, values] given by the trainer, until planned and consumed
         self._waits: collections.deque = collections.deque(maxlen=1000)   # seconds next() waited, recent steps
+        self.stalls = 0                    # next() calls that waited for a step delayed by a role's failure
 
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> "OverlordLoader":
@@ -163,6 +190,7 @@ class OverlordLoader:
                 if self._thread is None or not self._thread.is_alive():
                     raise StopIteration from None
                 self._check_timeout(t0)
+        ready = fut.done()
         while True:
             try:
                 res = fut.result(timeout=0.1)
@@ -179,6 +207,8 @@ class OverlordLoader:
                 raise
         self._slots.release()
         self._waits.append(time.perf_counter() - t0)
+        if not ready and getattr(fut, "delayed", False):
+            self.stalls += 1               # the trainer waited for a step a failure had delayed
         self._consumed = {self.K_STEP: res.step + 1, self.K_JOB: res.state}
         planned = res.state[LocalJob.PLANNER]["step"]
         self._feedback = [f for f in self._feedback if f[0] >= planned]   # the rest is in the snapshot
@@ -302,4 +332,5 @@ class OverlordLoader:
         pick = lambda q: round(1000 * waits[min(int(q * len(waits)), len(waits) - 1)], 3) if waits else None  # noqa: E731
         fetch = {"steps": len(waits), "p50_ms": pick(0.5), "p99_ms": pick(0.99), "max_ms": pick(1.0)}
         with self._lock:
-            return {"step": self._consumed[self.K_STEP], "fetch_wait": fetch, **self._job.stats()}
+            return {"step": self._consumed[self.K_STEP], "fetch_wait": fetch, "stalls": self.stalls,
+                    **self._job.stats()}

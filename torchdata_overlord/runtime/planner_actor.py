@@ -112,8 +112,19 @@ class PlannerActor(_Role):
         return self.peers.call(actor, method, *args, timeout=timeout or self.timeout)
 
     def _on_constructors(self, method: str, *args) -> dict:
-        return gather({c: self._call(name, method, *args) for c, name in enumerate(self.constructor_names)},
-                      self.timeout)
+        """Call every constructor; one that failed is replaced on a spare and called again."""
+        futs = {c: self._call(name, method, *args) for c, name in enumerate(self.constructor_names)}
+        cf.wait(list(futs.values()), timeout=self.timeout + 5)
+        out = {}
+        for c, f in futs.items():
+            try:
+                out[c] = f.result(timeout=1)
+            except _FAILURES as e:
+                t0, old = time.perf_counter(), self.constructor_names[c]
+                self._start_constructor(c, self.planner.step, e)
+                out[c] = self._call(self.constructor_names[c], method, *args).result(self.timeout + 5)
+                self._event("constructor", old, self.planner.step, t0, "replaced on a spare", e)
+        return out
 
     # -- clients ------------------------------------------------------------------------------
     def attach(self, client: int, state: dict | None, step: int) -> dict | cf.Future:
@@ -213,6 +224,7 @@ class PlannerActor(_Role):
         h = self.history[step]
         return {"step": step, "routing": h["routing"], "empty": h["empty"], "state": h["state"],
                 "constructors": list(self.constructor_names), "where": dict(self.where),
+                "delayed": h.get("delayed", False),
                 "plan": h["plan"] if with_plan else None}
 
     def _release(self) -> None:
@@ -229,7 +241,7 @@ class PlannerActor(_Role):
 
     # -- one step ---------------------------------------------------------------------------------
     def _plan_one(self) -> None:
-        step, gen = self.planner.step, self.gen
+        step, gen, seen = self.planner.step, self.gen, len(self.events)
         try:
             metas = self._each_loader("metadata", None, step)
             if self.gen != gen:
@@ -251,6 +263,8 @@ class PlannerActor(_Role):
                 for fut, _ in self.waiting.pop(s):
                     settle(fut, exc=e)
             return
+        if step in self.history:
+            self.history[step]["delayed"] = len(self.events) > seen     # a role was replaced meanwhile
         for fut, with_plan in self.waiting.pop(step, []):
             settle(fut, self._reply(step, with_plan))
 
@@ -420,10 +434,8 @@ class PlannerActor(_Role):
             self._call(shadow, "follow", version, self.loader_state[source])   # fire and forget: checked on promote
 
     # -- constructors -----------------------------------------------------------------------------
-    def _replace_constructor(self, c: int, step: int, err: BaseException) -> None:
-        """A new constructor on a spare, then a rewind to where every client is."""
-        t0 = time.perf_counter()
-        old, name = self.constructor_names[c], self._new_name(constructor_actor(c))
+    def _start_constructor(self, c: int, step: int, err: BaseException) -> str:
+        name = self._new_name(constructor_actor(c))
         worker = self._spare()
         try:
             self.peers.spawn(name, ConstructorActor, (c, *self.policy.constructor_args, self.store), worker)
@@ -431,6 +443,12 @@ class PlannerActor(_Role):
             raise RoleLost(f"constructor {c} failed at step {step} ({err}) and could not be replaced: {e}") from e
         self.where[name] = worker
         self.constructor_names[c] = name
+        return name
+
+    def _replace_constructor(self, c: int, step: int, err: BaseException) -> None:
+        """A new constructor on a spare, then a rewind to where every client is."""
+        t0, old = time.perf_counter(), self.constructor_names[c]
+        name = self._start_constructor(c, step, err)
         # its predecessor checkpointed where the clients were; the Planner's own position is newer or equal
         resume = self._call(name, "resume_point").result(self.timeout)
         self._rewind(self.released)
@@ -477,7 +495,14 @@ class PlannerActor(_Role):
             snap = self._differential(s, version)
             if snap is None:
                 raise RoleLost(f"source {s!r}: no snapshot at or before step {version} to restore from")
-            loaders[s] = self._call(self.active[s], "restore", self.gen, snap[1], snap[2]).result(self.timeout * 4)
+            try:
+                loaders[s] = self._call(self.active[s], "restore", self.gen, snap[1], snap[2]).result(self.timeout * 4)
+            except _FAILURES as e:         # it failed too: a new one on a spare
+                t1, old, name = time.perf_counter(), self.active[s], self._new_name(loader_actor(s))
+                self._start_loader(name, s)
+                loaders[s] = self._call(name, "restore", self.gen, snap[1], snap[2]).result(self.timeout * 4)
+                self.active[s] = name
+                self._event("loader", old, version, t1, "restored on a spare process with the Planner", e)
         state = {LocalJob.PLANNER: ck["planner"], LocalJob.LOADERS: loaders, LocalJob.FEEDBACK: ck["feedback"]}
         self._reset(state)
         self._event("planner", PLANNER_KEY, version, t0, f"restored from the checkpoint of step {version}", None)

@@ -57,7 +57,7 @@ class _Request:
     def __init__(self, step: int, wanted: list, consumed: int):
         self.step, self.wanted, self.consumed = step, wanted, consumed
         self.out: cf.Future = cf.Future()
-        self.out.step, self.out.reissued = step, False
+        self.out.step, self.out.delayed = step, False   # delayed: a role's failure held this step up
         self.attempt, self.gen_seen = 0, -1
         self.first_failure: float | None = None
 
@@ -370,7 +370,7 @@ class RpcJob:
         (with ``state``, the job's state after it). ``consumed``: steps this client has consumed
         (default: all before this one), so the roles can free what every client has used. A request
         that fails because a role failed is asked again once the role is replaced (the future's
-        ``reissued`` attribute is then True)."""
+        ``delayed`` attribute is True when a failure held the step up)."""
         if self._gen is None:
             self._attach(None, self._next)
         self._check_feedback()
@@ -396,6 +396,8 @@ class RpcJob:
         try:
             info = f.result()
             self._learn(info.get("where"))
+            if info.get("delayed"):
+                req.out.delayed = True
             names = info["constructors"]
             by_c: dict[int, list] = {}
             for r in req.wanted:
@@ -461,7 +463,7 @@ class RpcJob:
             settle(req.out, exc=e)
             return
         self.faults["reissued"] += 1
-        req.out.reissued = True
+        req.out.delayed = True
         for other in sorted(self._requests.values(), key=lambda r: r.step):   # everything of the old generation
             if other.out.done() or (other is not req and other.gen_seen >= self._gen):
                 continue

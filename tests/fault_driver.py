@@ -1,0 +1,135 @@
+"""Runs one OverlordLoader(runtime="rpc") job with injected failures, in its own process (RPC starts
+once per process), and writes what the trainer saw: a digest of every step's batches for every rank,
+the loader's state right after the first recovery, stall counts and the recovery events.
+
+    python tests/fault_driver.py CONFIG.json OUT.json
+
+CONFIG: corpus root, number of sources (2: web+caps; 10: partitions of the four corpus sources),
+steps, prefetch, trainer work per step (matmuls, not sleeps), spares, call timeout, and ``faults``:
+``[{"step": k, "kill"|"freeze"|"corrupt": [roles or checkpoint keys]}]`` applied right after the
+trainer consumed step k.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+import torchdata_overlord as ol
+from torchdata_overlord.runtime import faults
+from torchdata_overlord.sim.corpus import build_demo_corpus
+from torchdata_overlord.sources import ParquetSource
+from torchdata_overlord.transforms import ImageText, Tokenize
+
+class Strategy:
+    """Equal mixture of the named sources, balanced over DP (module level: it pickles)."""
+
+    def __init__(self, names):
+        self.names = list(names)
+
+    def __call__(self, g):
+        return (g.mix(ol.Constant({n: 1.0 for n in self.names})).distribute("DP").cost(ol.attention_flops)
+                .balance("greedy", microbatches=2, max_tokens=4096, oversize="split"))
+
+
+def make_sources(corpus, n: int) -> list:
+    def one(name, kind, seed):
+        if kind == "caps":
+            t = ImageText(corpus.spm_model, image_field="image", text_field="text", patch=14, max_side=112)
+        else:
+            t = Tokenize(corpus.spm_model, field=corpus.text_fields[kind])
+        return ParquetSource(name, corpus.sources[kind], t, seed=seed)
+    if n == 2:
+        return [one("web", "web", 0), one("caps", "caps", 0)]
+    kinds = ["web", "code", "long", "caps"]
+    return [one(f"s{i}", kinds[i % 4], i) for i in range(n)]
+
+
+def digest(x, h=None):
+    """sha256 over every tensor's bytes, shape and dtype and every scalar, in a fixed order."""
+    top = h is None
+    h = h or hashlib.sha256()
+    if isinstance(x, torch.Tensor):
+        h.update(f"T{x.dtype}{tuple(x.shape)}".encode())
+        h.update(x.detach().contiguous().reshape(-1).numpy().tobytes())
+    elif isinstance(x, dict):
+        for k in sorted(x, key=str):
+            h.update(f"K{k}".encode())
+            digest(x[k], h)
+    elif isinstance(x, (list, tuple)):
+        h.update(f"L{len(x)}".encode())
+        for v in x:
+            digest(v, h)
+    else:
+        h.update(f"V{x!r}".encode())
+    return h.hexdigest() if top else None
+
+
+def work(n: int) -> None:
+    a = torch.ones(192, 192)
+    for _ in range(n):
+        a = torch.tanh(a @ a / 192)
+
+
+def main(cfg_path: str, out_path: str) -> None:
+    cfg = json.load(open(cfg_path))
+    torch.set_num_threads(1)
+    corpus = build_demo_corpus(cfg["root"], scale="test", seed=0)
+    ft = ol.FaultTolerance(checkpoint_dir=cfg["ckpt"], shadows=cfg.get("shadows", True),
+                           snapshot_every=cfg.get("snapshot_every", 5), call_timeout=cfg.get("call_timeout", 10),
+                           recovery_timeout=cfg.get("recovery_timeout", 60))
+    out = {"digests": [], "events": [], "error": None}
+    by_step = {f["step"]: f for f in cfg.get("faults", [])}
+    sources = make_sources(corpus, cfg["sources"])
+    loader = ol.OverlordLoader(sources, Strategy([s.name for s in sources]), ol.ClientPlaceTree(dp=2), rank=None,
+                               global_batch=cfg.get("global_batch", 8), seq_len=None,
+                               image_token_id=corpus.image_token_id, runtime="rpc", prefetch=cfg.get("prefetch", 2),
+                               spares=cfg.get("spares", 2), fault_tolerance=ft, timeout=120)
+    frozen = []
+    t0 = time.monotonic()
+    try:
+        with loader:
+            for step, batch in zip(range(cfg["steps"]), loader):
+                out["digests"].append(digest(batch))
+                work(cfg.get("work", 0))
+                f = by_step.get(step)
+                if f:
+                    for key in f.get("corrupt", []):
+                        out["events"].append({"step": step, "corrupted": key,
+                                              "version": faults.corrupt_newest(cfg["ckpt"], key)})
+                    if f.get("kill"):
+                        for role, pid in zip(f["kill"], faults.kill_roles(loader, f["kill"])):
+                            out["events"].append({"step": step, "killed": role, "pid": pid})
+                    for role in f.get("freeze", []):
+                        pid = faults.freeze_role(loader, role)
+                        frozen.append(pid)
+                        out["events"].append({"step": step, "frozen": role, "pid": pid})
+                if cfg.get("state_at") == step:
+                    out["state"] = loader.state_dict()
+            stats = loader.stats()
+            out["stalls"] = stats["stalls"]
+            out["recoveries"] = stats["planner"]["recoveries"]
+            out["client_faults"] = stats["client"]["faults"]
+            out["roles"] = stats["roles"]
+            out["spares"] = stats["spares"]
+            out["processes"] = {str(k): v for k, v in stats["processes"].items()}
+    except Exception as e:                       # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        for pid in frozen:                       # let a frozen worker see its parent's exit and go
+            try:
+                faults.thaw(pid)
+            except ProcessLookupError:
+                pass
+    out["seconds"] = time.monotonic() - t0
+    out["pid"] = os.getpid()
+    json.dump(out, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,160 @@
+"""Uninterrupted feeding (paper section 6.1): killing or freezing any role mid-run never changes the
+stream the trainer sees. Real processes: each job runs in ``tests/fault_driver.py`` (RPC starts once
+per process) and reports a digest of every step's batches for every rank; the reference is the
+embedded runtime in this process. The in-process test kills random roles at random steps."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import torchdata_overlord as ol
+from torchdata_overlord.runtime import faults
+from torchdata_overlord.runtime.local import LocalJob
+from torchdata_overlord.runtime.rpc_job import RpcJob
+from torchdata_overlord.runtime.transport import InProcessTransport
+from torchdata_overlord.sim.corpus import build_demo_corpus
+
+import fault_driver as D
+from test_rpc_job import _alive, assert_identical
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return build_demo_corpus(tmp_path_factory.mktemp("corpus"), scale="test", seed=0)
+
+
+_REFERENCE: dict = {}
+
+
+def reference(corpus, n_sources: int, steps: int, state=None) -> list[str]:
+    """Digests of the embedded runtime's batches (every rank), from the start or from ``state``."""
+    key = (str(corpus.root), n_sources, steps, None if state is None else json.dumps(state, sort_keys=True))
+    if key not in _REFERENCE:
+        sources = D.make_sources(corpus, n_sources)
+        with ol.OverlordLoader(sources, D.Strategy([s.name for s in sources]), ol.ClientPlaceTree(dp=2), rank=None,
+                               global_batch=8, seq_len=None, image_token_id=corpus.image_token_id) as loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            _REFERENCE[key] = [D.digest(b) for _, b in zip(range(steps), loader)]
+    return _REFERENCE[key]
+
+
+def run(corpus, tmp_path, timeout=240, **cfg) -> dict:
+    cfg = {"root": str(corpus.root), "ckpt": str(tmp_path / "ckpt"), "sources": 2, "work": 30, **cfg}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(Path(D.__file__)), str(tmp_path / "cfg.json"), str(out)],
+                          capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rep = json.loads(out.read_text())
+    # nothing is left behind: every role process (replacements, spares, frozen ones) is gone
+    pids = [int(p) for p in rep.get("roles", {}).values()] + [int(p) for p in rep.get("spares", [])] + \
+        [e["pid"] for e in rep["events"] if "pid" in e]
+    assert not [p for p in pids if _alive(p)], rep
+    return rep
+
+
+def hows(rep) -> list[str]:
+    return [r["how"] for r in rep["recoveries"]]
+
+
+@pytest.mark.slow
+def test_a_killed_loader_changes_nothing_over_the_next_200_steps(corpus, tmp_path):
+    kill = random.Random().randrange(3, 25)
+    print(f"killing loader:web after step {kill}")
+    steps = kill + 201
+    rep = run(corpus, tmp_path, steps=steps, prefetch=3, faults=[{"step": kill, "kill": ["loader:web"]}],
+              state_at=kill + 1)
+    assert rep["error"] is None
+    assert rep["digests"] == reference(corpus, 2, steps)
+    assert hows(rep) == ["promoted its shadow"]
+    assert rep["stalls"] == 0                       # the prefetch covered the promotion
+    # the loader's state taken right after the recovery continues the same stream
+    assert reference(corpus, 2, 20, state=rep["state"]) == reference(corpus, 2, kill + 22)[kill + 2:]
+
+
+@pytest.mark.slow
+def test_five_of_ten_loaders_killed_at_once(corpus, tmp_path):
+    rep = run(corpus, tmp_path, sources=10, steps=40, spares=6, prefetch=3,
+              faults=[{"step": 15, "kill": [f"loader:s{i}" for i in range(5)]}])
+    assert rep["error"] is None
+    assert rep["digests"] == reference(corpus, 10, 40)
+    assert hows(rep) == ["promoted its shadow"] * 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["planner", "constructor:1"])
+def test_a_killed_planner_or_constructor_changes_nothing(corpus, tmp_path, role):
+    rep = run(corpus, tmp_path, steps=40, prefetch=2, faults=[{"step": 12, "kill": [role]}], state_at=13)
+    assert rep["error"] is None
+    assert rep["digests"] == reference(corpus, 2, 40)
+    kind = role.split(":")[0]
+    assert [r["kind"] for r in rep["recoveries"]] == [kind]
+    assert rep["client_faults"]["reissued"] >= 1     # the trainer asked again for what was in flight
+    assert reference(corpus, 2, 10, state=rep["state"]) == reference(corpus, 2, 24)[14:]
+
+
+@pytest.mark.slow
+def test_a_frozen_loader_is_detected_by_the_timeout_and_replaced(corpus, tmp_path):
+    rep = run(corpus, tmp_path, steps=30, prefetch=3, call_timeout=3, faults=[{"step": 10, "freeze": ["loader:caps"]}])
+    assert rep["error"] is None
+    assert rep["digests"] == reference(corpus, 2, 30)
+    assert hows(rep) == ["promoted its shadow"] and "CallTimeout" in rep["recoveries"][0]["error"]
+
+
+@pytest.mark.slow
+def test_a_corrupt_newest_snapshot_falls_back_to_the_previous_one(corpus, tmp_path):
+    # loader and shadow die together: the replacement restores from the differential checkpoint,
+    # whose newest snapshot (step 10) is corrupt: the one of step 5 plus a longer replay serves
+    rep = run(corpus, tmp_path, steps=30, snapshot_every=5, prefetch=2,
+              faults=[{"step": 11, "corrupt": ["loader/web"], "kill": ["loader:web", "shadow:web"]}])
+    assert rep["error"] is None
+    assert rep["digests"] == reference(corpus, 2, 30)
+    assert len(rep["recoveries"]) == 1
+    assert rep["recoveries"][0]["how"].startswith("restored on a spare process (snapshot of step 5 + ")
+
+
+@pytest.mark.slow
+def test_loader_and_shadow_lost_without_spares_stops_with_a_named_error(corpus, tmp_path):
+    rep = run(corpus, tmp_path, steps=30, spares=0, prefetch=2,
+              faults=[{"step": 8, "kill": ["loader:web", "shadow:web"]}])
+    assert rep["error"] is not None and "RoleLost" in rep["error"], rep["error"]
+    assert "source 'web'" in rep["error"] and "step" in rep["error"]
+    # what was delivered before the failure is the right stream, and nothing after it
+    assert rep["digests"] == reference(corpus, 2, len(rep["digests"]))
+    assert 8 < len(rep["digests"]) < 30
+
+
+def test_random_roles_killed_at_random_steps_in_process(corpus, tmp_path):
+    """The same recovery logic on the in-process transport, randomised: several kills per run."""
+    from test_rpc_job import job_kwargs, make_mesh, make_sources, vlm_strategy
+
+    rng = random.Random()
+    steps = 14
+    ref = LocalJob(make_sources(corpus), vlm_strategy, make_mesh(), **job_kwargs(corpus))
+    expected = [ref.step().outputs for _ in range(steps)]
+    ref.close()
+    for trial in range(3):
+        plan = {rng.randrange(1, steps): rng.sample(["planner", "loader:web", "loader:caps", "shadow:web",
+                                                      "constructor:0", "constructor:1"], rng.randint(1, 2))
+                for _ in range(2)}
+        print(f"trial {trial}: kills {plan}")
+        t = InProcessTransport()
+        job = RpcJob(make_sources(corpus), vlm_strategy, make_mesh(), transport=t, shadows=True, spares=2,
+                     checkpoint_dir=str(tmp_path / f"ckpt{trial}"), snapshot_every=3, timeout=10, **job_kwargs(corpus))
+        try:
+            for k in range(steps):
+                if k in plan:
+                    faults.kill_roles(job, plan[k])
+                assert_identical(job.step().outputs, expected[k])
+        finally:
+            job.close()
+            t.stop()
