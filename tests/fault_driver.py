@@ -113,6 +113,8 @@ def main(cfg_path: str, out_path: str) -> None:
                     out["state"] = loader.state_dict()
             stats = loader.stats()
             out["stalls"] = stats["stalls"]
+            out["fetch_wait"] = stats["fetch_wait"]
+            out["waits_ms"] = [round(1000 * w, 2) for w in loader._waits]
             out["recoveries"] = stats["planner"]["recoveries"]
             out["client_faults"] = stats["client"]["faults"]
             out["roles"] = stats["roles"]

@@ -464,8 +464,10 @@ class PlannerActor(_Role):
     def report_failure(self, actor: str, step: int) -> dict:
         """A client saw ``actor`` fail: replace it if it still serves (idempotent), answer the generation."""
         if actor in self.constructor_names:
-            c = self.constructor_names.index(actor)
-            self._replace_constructor(c, step, ActorDied(f"reported by a client at step {step}", actor))
+            try:                             # a slow answer is not a failure: ask it first
+                self._call(actor, "stats").result(self.timeout + 1)
+            except _FAILURES as e:
+                self._replace_constructor(self.constructor_names.index(actor), step, e)
         return self.generation()
 
     # -- a replacement Planner --------------------------------------------------------------------

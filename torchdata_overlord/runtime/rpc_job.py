@@ -325,8 +325,14 @@ class RpcJob:
 
     # ------------------------------------------------------------------------------ calls
 
-    def _call(self, actor: str, method: str, *args):
-        return self.transport.call(actor, method, *args, timeout=self.timeout)
+    def _call(self, actor: str, method: str, *args, timeout: float | None = None):
+        return self.transport.call(actor, method, *args, timeout=timeout or self.timeout)
+
+    @property
+    def wait_timeout(self) -> float:
+        """How long a step request may take: the Planner may be replacing a loader meanwhile (it
+        waits up to twice the call timeout for a frozen one), so a few call timeouts."""
+        return 4 * self.timeout
 
     def _attach(self, state: Mapping | None, step: int) -> None:
         got = self._call(self.planner_name, "attach", self.client, state if self.client == 0 else None, step)
@@ -386,7 +392,8 @@ class RpcJob:
         req.attempt += 1
         attempt, gen = req.attempt, self._gen
         try:
-            routed = self._call(self.planner_name, "ensure", self.client, gen, req.step, req.consumed, self.is_leader)
+            routed = self._call(self.planner_name, "ensure", self.client, gen, req.step, req.consumed, self.is_leader,
+                                timeout=self.wait_timeout)
         except BaseException as e:          # noqa: BLE001
             self._failed(req, attempt, gen, e)
             return
@@ -403,7 +410,8 @@ class RpcJob:
             for r in req.wanted:
                 if info["routing"][r] >= 0:
                     by_c.setdefault(info["routing"][r], []).append(r)
-            parts = [self._call(names[c], "fetch", gen, req.step, rs) for c, rs in by_c.items()]
+            parts = [self._call(names[c], "fetch", gen, req.step, rs, timeout=self.wait_timeout)
+                     for c, rs in by_c.items()]
             self.fetches += len(parts)
         except BaseException as e:     # noqa: BLE001
             self._failed(req, attempt, gen, e)
@@ -561,6 +569,9 @@ class RpcJob:
             if self.transport is not None and self.client == 0:
                 try:
                     actors = self._serving()[0]
+                    replaced = self._call(self.planner_name, "stats").result(self.timeout)["recoveries"]
+                    if (replaced or self.faults["recoveries"]) and hasattr(self.transport, "mark_unhealthy"):
+                        self.transport.mark_unhealthy()      # a replaced role may be frozen: no graceful wait
                 except Exception:            # noqa: BLE001 - the Planner may be gone: close what we know
                     actors = [self.planner_name] + [loader_actor(n) for n in self.names] + \
                         [constructor_actor(c) for c in range(self.cfg.constructors)]

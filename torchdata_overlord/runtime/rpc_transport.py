@@ -269,6 +269,10 @@ class RpcTransport(Transport):
     def peers(self) -> W.RpcPeers:
         return W.RpcPeers({a: W.worker_name(i) for a, i in self._placement.items()})
 
+    def mark_unhealthy(self) -> None:
+        """Some member may be dead or frozen: stop without waiting for a graceful shutdown."""
+        self._peer_died = True
+
     def worker_of(self, name: str) -> int:
         """The 0-based worker index hosting actor ``name``."""
         return self._placement[name]
@@ -308,7 +312,8 @@ class RpcTransport(Transport):
 
     def _teardown(self, graceful: bool) -> None:
         self._closed = True
-        deadline = time.monotonic() + self.stop_timeout
+        # after a failure a worker may be frozen (it never reads its pipe): kill stragglers sooner
+        deadline = time.monotonic() + (self.stop_timeout if graceful else 2.0)
         if self._rpc_up:
             self._rpc_up = False
             stop_rpc(graceful, self.stop_timeout)
