@@ -1,6 +1,6 @@
 """Uninterrupted feeding (paper section 6.1): killing or freezing any role mid-run never changes the
-stream the trainer sees. Real processes: each job runs in ``tests/fault_driver.py`` (RPC starts once
-per process) and reports a digest of every step's batches for every rank; the reference is the
+stream the trainer sees. Real processes: each job runs in ``torchdata_overlord.sim.fault_run`` (RPC
+starts once per process) and reports a digest of every step's batches for every rank; the reference is the
 embedded runtime in this process. The in-process test kills random roles at random steps."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torchdata_overlord.runtime.rpc_job import RpcJob
 from torchdata_overlord.runtime.transport import InProcessTransport
 from torchdata_overlord.sim.corpus import build_demo_corpus
 
-import fault_driver as D
+import torchdata_overlord.sim.fault_run as D
 from test_rpc_job import _alive, assert_identical
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +51,7 @@ def run(corpus, tmp_path, timeout=240, **cfg) -> dict:
     cfg = {"root": str(corpus.root), "ckpt": str(tmp_path / "ckpt"), "sources": 2, "work": 10, **cfg}
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(Path(D.__file__)), str(tmp_path / "cfg.json"), str(out)],
+    proc = subprocess.run([sys.executable, "-m", "torchdata_overlord.sim.fault_run", str(tmp_path / "cfg.json"), str(out)],
                           capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-4000:]
     rep = json.loads(out.read_text())

@@ -238,13 +238,32 @@ class RpcPeers:
 
     def spawn(self, name: str, factory, args: tuple, worker: str, timeout: float = 60.0) -> None:
         """Start a (replacement) actor on RPC worker ``worker`` and remember where it lives."""
+        self.spawn_async(name, factory, args, worker, timeout).result(timeout + 5)
+
+    def spawn_async(self, name: str, factory, args: tuple, worker: str, timeout: float = 60.0) -> cf.Future:
+        """:meth:`spawn` without waiting: the future completes (None) once the actor exists, and
+        only then is it placed."""
+        out: cf.Future = cf.Future()
         try:
-            failure = rpc.rpc_sync(worker, _create, args=(name, factory, args, {}), timeout=timeout)
+            fut = rpc.rpc_async(worker, _create, args=(name, factory, args, {}), timeout=timeout)
         except BaseException as e:          # noqa: BLE001
-            raise map_error(e, name, "__init__", timeout) from e
-        if isinstance(failure, Failure):
-            raise failure.rebuild(name, "__init__")
-        self.placement[name] = worker
+            settle(out, exc=map_error(e, name, "__init__", timeout))
+            return out
+
+        def done(f):
+            try:
+                failure = f.value()
+            except BaseException as e:      # noqa: BLE001
+                settle(out, exc=map_error(e, name, "__init__", timeout))
+                return
+            if isinstance(failure, Failure):
+                settle(out, exc=failure.rebuild(name, "__init__"))
+            else:
+                self.placement[name] = worker
+                settle(out, None)
+
+        fut.add_done_callback(done)
+        return out
 
     def learn(self, where: dict[str, str]) -> None:
         """Placement news (actor -> RPC worker name), e.g. a replacement started elsewhere."""

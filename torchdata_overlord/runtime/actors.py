@@ -145,8 +145,14 @@ class LoaderActor(_Role):
 
     # -- standby and recovery ------------------------------------------------------------------
     def follow(self, version: int, state: dict) -> None:
-        """A shadow keeps the primary's latest state (cheap: a few numbers, no reading)."""
+        """A shadow keeps the primary's latest state (cheap: a few numbers, no reading). The first
+        time, it also reads a buffer's worth at that state, so its files are open, its row group
+        decoded and its transform loaded: a promotion then only re-reads one buffer."""
+        first = self.followed is None
         self.followed = (int(version), state)
+        if first:
+            self.loader.reset(state)
+            self.loader.fill()
 
     def promote(self, gen: int, state: dict) -> dict:
         """Become the primary at ``state`` (the state after the last completed step)."""

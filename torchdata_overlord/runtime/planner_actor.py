@@ -106,6 +106,8 @@ class PlannerActor(_Role):
         self.loader_state: dict[str, dict] = {}        # each source's state after the last completed step
         self.renames = 0
         self._spare_rr = 0
+        self.dead_spares: set[str] = set()
+        self.starting: dict[str, tuple] = {}          # source -> (shadow name, worker, future) being started
         self.events: list[dict] = []                   # failures handled: what, role, step, seconds, how
 
     def _call(self, actor: str, method: str, *args, timeout: float | None = None) -> cf.Future:
@@ -241,6 +243,7 @@ class PlannerActor(_Role):
 
     # -- one step ---------------------------------------------------------------------------------
     def _plan_one(self) -> None:
+        self._adopt_shadows()
         step, gen, seen = self.planner.step, self.gen, len(self.events)
         try:
             metas = self._each_loader("metadata", None, step)
@@ -342,16 +345,24 @@ class PlannerActor(_Role):
             todo = again
         return out
 
-    def _spare(self, avoid: str | None = None) -> str:
-        spares = list(self.policy.spares)
+    def _spawn_on_spare(self, name: str, factory, args: tuple, avoid: str | None = None) -> str:
+        """Start ``name`` on the next live spare process (round robin, ``avoid`` last); returns it."""
+        spares = [w for w in self.policy.spares if w not in self.dead_spares]
         if not spares:
             raise RoleLost("no spare process left to start a replacement on; start the job with more spares")
-        for _ in range(len(spares)):
-            w = spares[self._spare_rr % len(spares)]
+        k = self._spare_rr
+        order = [spares[(k + i) % len(spares)] for i in range(len(spares))]
+        order = [w for w in order if w != avoid] + [w for w in order if w == avoid]
+        for w in order:
             self._spare_rr += 1
-            if w != avoid or len(spares) == 1:
-                return w
-        return spares[0]
+            try:
+                self.peers.spawn(name, factory, args, w)
+            except ActorDied:
+                self.dead_spares.add(w)      # a spare that died with an earlier replacement
+                continue
+            self.where[name] = w
+            return w
+        raise RoleLost(f"every spare process is dead ({sorted(self.dead_spares)}); none can host {name!r}")
 
     def _new_name(self, base: str) -> str:
         self.renames += 1
@@ -382,10 +393,8 @@ class PlannerActor(_Role):
         self._ensure_shadow(source)
 
     def _start_loader(self, name: str, source: str, avoid: str | None = None) -> None:
-        worker = self._spare(avoid)
-        self.peers.spawn(name, LoaderActor, (*self.policy.loader_args[source], self.peers, self.store,
-                                             self.policy.snapshot_every), worker)
-        self.where[name] = worker
+        self._spawn_on_spare(name, LoaderActor, (*self.policy.loader_args[source], self.peers, self.store,
+                                                 self.policy.snapshot_every), avoid)
 
     def _restore_loader(self, name: str, source: str, version: int, state: dict | None) -> str:
         """Bring loader ``name`` to ``source``'s state at ``version`` (steps planned): from its last
@@ -417,16 +426,37 @@ class PlannerActor(_Role):
         return snap[0], snap[1], consumed
 
     def _ensure_shadow(self, source: str) -> None:
-        if not self.policy.shadows or self.shadow.get(source) is not None:
+        """Start a new shadow for ``source`` on a spare, without waiting (it is adopted once it exists)."""
+        if not self.policy.shadows or self.shadow.get(source) is not None or source in self.starting:
             return
+        spares = [w for w in self.policy.spares if w not in self.dead_spares]
+        avoid = self.where.get(self.active[source])
+        spares = [w for w in spares if w != avoid] or spares
+        if not spares:
+            log.warning("source %r runs without a shadow: no spare process left", source)
+            return
+        worker = spares[self._spare_rr % len(spares)]
+        self._spare_rr += 1
         name = self._new_name(shadow_actor(source))
-        try:
-            self._start_loader(name, source, avoid=self.where.get(self.active[source]))
-        except (_FAILURES + (RoleLost,)) as e:
-            log.warning("source %r runs without a shadow: %s", source, e)
-            return
-        self.shadow[source] = name
-        self._follow(source, self.planner.step)
+        fut = self.peers.spawn_async(name, LoaderActor, (*self.policy.loader_args[source], self.peers, self.store,
+                                                         self.policy.snapshot_every), worker)
+        self.starting[source] = (name, worker, fut)
+
+    def _adopt_shadows(self) -> None:
+        """Shadows started earlier that now exist become the standby of their source."""
+        for source, (name, worker, fut) in list(self.starting.items()):
+            if not fut.done():
+                continue
+            del self.starting[source]
+            if fut.exception() is not None:
+                if isinstance(fut.exception(), ActorDied):
+                    self.dead_spares.add(worker)
+                log.warning("source %r: its new shadow did not start (%s); trying again", source, fut.exception())
+                self._ensure_shadow(source)
+                continue
+            self.where[name] = worker
+            self.shadow[source] = name
+            self._follow(source, self.planner.step)
 
     def _follow(self, source: str, version: int) -> None:
         shadow = self.shadow.get(source)
@@ -436,12 +466,10 @@ class PlannerActor(_Role):
     # -- constructors -----------------------------------------------------------------------------
     def _start_constructor(self, c: int, step: int, err: BaseException) -> str:
         name = self._new_name(constructor_actor(c))
-        worker = self._spare()
         try:
-            self.peers.spawn(name, ConstructorActor, (c, *self.policy.constructor_args, self.store), worker)
-        except _FAILURES as e:
+            self._spawn_on_spare(name, ConstructorActor, (c, *self.policy.constructor_args, self.store))
+        except (_FAILURES + (RoleLost,)) as e:
             raise RoleLost(f"constructor {c} failed at step {step} ({err}) and could not be replaced: {e}") from e
-        self.where[name] = worker
         self.constructor_names[c] = name
         return name
 

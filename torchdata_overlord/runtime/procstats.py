@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["process_memory", "open_paths", "listening_addresses"]
+__all__ = ["process_memory", "process_cpu_seconds", "open_paths", "listening_addresses"]
 
 
 def process_memory(pid: int | None = None) -> dict:
@@ -59,3 +59,13 @@ def listening_addresses(pid: int) -> list[str]:
             host = f"[{addr}]" if v6 else ".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0))
             found.append(f"{host}:{int(port, 16)}")
     return sorted(found)
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` has used (``/proc/<pid>/stat``), None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None

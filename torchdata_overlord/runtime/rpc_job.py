@@ -508,13 +508,21 @@ class RpcJob:
                            f"checkpoint_dir=") from err
         n = sum(1 for r in self.faults["recoveries"] if r["how"] == "replaced the Planner") + 1
         name, cfg = f"{PLANNER}#{n}", self.cfg
-        kw = {}
-        if hasattr(self.transport, "place"):
+        args = (cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors, cfg.clients,
+                cfg.timeout, self.transport.peers(), cfg.policy(spares))
+        if not hasattr(self.transport, "place"):
+            self.transport.start_actor(name, PlannerActor, *args)
+        else:
             from ._rpc_worker import worker_index
-            kw["worker"] = worker_index(spares[(n - 1) % len(spares)])
-        self.transport.start_actor(name, PlannerActor, cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names,
-                                   cfg.constructors, cfg.clients, cfg.timeout, self.transport.peers(),
-                                   cfg.policy(spares), **kw)
+            for k in range(len(spares)):      # the next live spare
+                i = worker_index(spares[(n - 1 + k) % len(spares)])
+                try:
+                    self.transport.start_actor(name, PlannerActor, *args, worker=i)
+                    break
+                except ActorDied:
+                    continue
+            else:
+                raise RoleLost(f"the Planner failed ({err}) and every spare process is dead") from err
         self.planner_name = name
         info = self._call(name, "recover").result(self.recovery_timeout)
         self._learn(info["where"])
@@ -525,7 +533,7 @@ class RpcJob:
 
     def state_dict(self) -> dict:
         """The job's state at the Planner's current position (no step in flight)."""
-        return self._call(self.planner_name, "state_dict").result(self.timeout + 5)
+        return self._ask_planner("state_dict")
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restart at ``state`` (the leader resets every role; another client checks it starts at the
@@ -535,9 +543,22 @@ class RpcJob:
             raise ConfigError(f"state has sources {sorted(theirs)}, this job has {sorted(ours)}")
         self._attach(dict(state), int(state[self.PLANNER]["step"]))
 
+    def _ask_planner(self, method: str, *args):
+        """A synchronous Planner call that survives a Planner failure (replaced first, then asked again)."""
+        name = self.planner_name
+        try:
+            return self._call(name, method, *args).result(self.timeout + 5)
+        except (ActorDied, CallTimeout) as e:
+            if getattr(e, "actor", None) != name:
+                raise
+            with self._recovery_lock:
+                if self.planner_name == name:
+                    self._recover(e, self._next)
+            return self._call(self.planner_name, method, *args).result(self.timeout + 5)
+
     def _serving(self) -> list[str]:
         """Every actor that serves now (replacements included), asking the Planner."""
-        info = self._call(self.planner_name, "roles").result(self.timeout + 5)
+        info = self._ask_planner("roles")
         self._learn(info["where"])
         shadows = [a for a in info["shadows"].values() if a]
         return [self.planner_name] + list(info["loaders"].values()) + list(info["constructors"]) + shadows, info

@@ -49,13 +49,18 @@ def claim_rpc() -> None:
                               "hangs in torch 2.14.1): this process already had an RpcTransport")
 
 
+#: what the fork server imports once, so every worker (spares included) starts with it in shared pages
+PRELOAD = ["torch", "torch.distributed.rpc", "pyarrow.parquet", W.__name__, "torchdata_overlord.runtime.planner_actor",
+           "torchdata_overlord.transforms"]
+
+
 def spawn_workers(members: list[tuple[str, int]], rendezvous: dict, rpc_timeout: float,
                   start_method: str = "forkserver") -> tuple[list, list]:
     """Start one role worker process per ``(name, rank)``; each exits when its pipe (the second
     list) is closed or its parent dies. Workers come from the fork server, which preloads torch."""
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed.rpc", W.__name__])
+        ctx.set_forkserver_preload(PRELOAD)
     procs, conns = [], []
     for name, rank in members:
         r, w = ctx.Pipe(duplex=False)

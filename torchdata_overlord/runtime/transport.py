@@ -271,6 +271,16 @@ class InProcessTransport(Transport):
         """Start a (replacement) actor; ``worker`` is ignored: every actor lives in this process."""
         self.start_actor(name, factory, *args)
 
+    def spawn_async(self, name: str, factory: Callable[..., object], args: tuple,
+                    worker: str | None = None) -> cf.Future:
+        out: cf.Future = cf.Future()
+        try:
+            self.spawn(name, factory, args, worker)
+            out.set_result(None)
+        except BaseException as e:       # noqa: BLE001 - delivered through the future
+            out.set_exception(e)
+        return out
+
     def learn(self, where: dict) -> None:
         """Placement news from another actor: nothing to learn in one process."""
 

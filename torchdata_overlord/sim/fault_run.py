@@ -1,8 +1,9 @@
-"""Runs one OverlordLoader(runtime="rpc") job with injected failures, in its own process (RPC starts
-once per process), and writes what the trainer saw: a digest of every step's batches for every rank,
-the loader's state right after the first recovery, stall counts and the recovery events.
+"""One OverlordLoader(runtime="rpc") job with injected failures, in its own process (RPC starts once
+per process); writes what the trainer saw: a digest of every step's batches for every rank, how long
+each ``next()`` waited, stall counts, the recovery events, the loader's state at a chosen step, and
+each role process's CPU time and memory. The fault tests and ``benchmarks/fault_recovery.py`` run it.
 
-    python tests/fault_driver.py CONFIG.json OUT.json
+    python -m torchdata_overlord.sim.fault_run CONFIG.json OUT.json
 
 CONFIG: corpus root, number of sources (2: web+caps; 10: partitions of the four corpus sources),
 steps, prefetch, trainer work per step (matmuls, not sleeps), spares, call timeout, and ``faults``:
@@ -22,6 +23,7 @@ import torch
 
 import torchdata_overlord as ol
 from torchdata_overlord.runtime import faults
+from torchdata_overlord.runtime.procstats import process_cpu_seconds
 from torchdata_overlord.sim.corpus import build_demo_corpus
 from torchdata_overlord.sources import ParquetSource
 from torchdata_overlord.transforms import ImageText, Tokenize
@@ -114,7 +116,8 @@ def main(cfg_path: str, out_path: str) -> None:
             stats = loader.stats()
             out["stalls"] = stats["stalls"]
             out["fetch_wait"] = stats["fetch_wait"]
-            out["waits_ms"] = [round(1000 * w, 2) for w in loader._waits]
+            out["waits_ms"] = [round(1000 * w, 3) for w in loader._waits]
+            out["cpu_s"] = {str(pid): process_cpu_seconds(pid) for pid in set(stats["roles"].values())}
             out["recoveries"] = stats["planner"]["recoveries"]
             out["client_faults"] = stats["client"]["faults"]
             out["roles"] = stats["roles"]
