@@ -175,6 +175,7 @@ class _ActorThread:
 
     def __init__(self, name: str, obj: object):
         self.name, self.obj, self.killed = name, obj, False
+        self.deferred: set[cf.Future] = set()      # answers still owed (a killed actor owes none)
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"overlord-actor-{name}", daemon=True)
         self.thread.start()
@@ -197,6 +198,8 @@ class _ActorThread:
                 settle(fut, exc=name_exception(e, self.name, method))
             else:
                 if isinstance(result, cf.Future):        # deferred: answered when it completes
+                    self.deferred.add(fut)
+                    fut.add_done_callback(self.deferred.discard)
                     result.add_done_callback(lambda f, fut=fut, m=method: _forward(f, fut, self.name, m))
                 else:
                     settle(fut, result)
@@ -291,6 +294,8 @@ class InProcessTransport(Transport):
             self._killed.add(name)
             actor.killed = True
         actor.queue.put(_ActorThread._STOP)
+        for fut in list(actor.deferred):     # as a dead process's pending answers: the callers learn at once
+            settle(fut, exc=ActorDied(f"actor {name!r} was killed", name))
 
     def stop(self) -> None:
         import time
