@@ -114,6 +114,30 @@ def runtimes_table(data: dict) -> list[str]:
     return lines
 
 
+def fault_recovery_table(data: dict) -> list[str]:
+    m, c = data["machine"], data["config"]
+    lines = [f"**Fault recovery** (`python benchmarks/fault_recovery.py`, {data['date']}, {m['cores']} cores): "
+             f"`OverlordLoader(runtime=\"rpc\")` with checkpoints and shadows, one process per role plus spares, a "
+             f"trainer doing ~{c['work_ms']:.0f} ms of work per step, {c['steps']} steps; the Planner killed at steps "
+             f"{c['planner_kills']}, or 5 of 10 loaders killed at step {c['loader_kill_step']} (SIGKILL). Plot: "
+             f"`benchmarks/results/fault_recovery.png`.", "",
+             "| scenario | prefetch | same stream | stall steps | max wait ms | median wait ms | recoveries (s each) |",
+             "|---|---:|---|---:|---:|---:|---|"]
+    for name, r in data["results"].items():
+        rec = ", ".join(f"{e['kind']} {e['seconds']:.2f}" for e in r["recoveries"])
+        lines.append(f"| {name} | {data['scenarios'][name]['prefetch']} | {r['same_stream_as_no_failure']} | "
+                     f"{r['stall_steps']} | {r['max_wait_ms']:.0f} | {r['median_wait_ms_away_from_failures']:.1f} | "
+                     f"{rec} |")
+    cost = data.get("shadow_cost", {})
+    if "shadows_on" in cost and "shadows_off" in cost:
+        on, off = cost["shadows_on"], cost["shadows_off"]
+        lines += ["", f"- shadows' cost (10 sources, no failure): {on['shadow_processes']} shadow processes hold "
+                      f"{on['pss_shadows_mib']} MiB PSS of {on['pss_all_roles_mib']} MiB for all roles "
+                      f"({on['pss_without_shadows_mib']} MiB without them; {off['pss_all_roles_mib']} MiB in a run "
+                      f"with shadows off) and used {on['cpu_shadows_s']} s of CPU of {on['cpu_all_roles_s']} s."]
+    return lines
+
+
 def render() -> str:
     lines = []
     path = RESULTS / "plan_speed.json"
@@ -131,6 +155,11 @@ def render() -> str:
         data = json.loads(path.read_text())
         if not data.get("quick"):
             lines += ([""] if lines else []) + runtimes_table(data)
+    path = RESULTS / "fault_recovery.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        if not data.get("quick"):
+            lines += ([""] if lines else []) + fault_recovery_table(data)
     return "\n".join(lines) if lines else "No benchmark results yet: run the scripts in `benchmarks/`."
 
 

@@ -124,3 +124,57 @@ def test_trainer_ranks_in_a_gloo_group_receive_their_part(corpus, tmp_path):
         for item in got["items"]:
             assert_identical(item["microbatches"], reference[item["step"]][r])
     assert not [p for p in set(again[0]["roles"].values()) if _alive(p)]
+
+
+def _ft_trainer(rank: int, root: str, out_dir: str, steps: int, kill_at: int) -> None:
+    import torch.distributed as dist
+
+    from torchdata_overlord.runtime import faults
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg-ft", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    corpus = build_demo_corpus(root, scale="test", seed=0)
+    out = {"items": []}
+    ft = ol.FaultTolerance(checkpoint_dir=f"{out_dir}/ckpt", call_timeout=10)
+    with ol.OverlordLoader(make_sources(corpus), group_strategy, ol.ClientPlaceTree(dp=2), rank=rank,
+                           global_batch=GLOBAL_BATCH, seq_len=None, image_token_id=corpus.image_token_id,
+                           runtime="rpc", group="default", prefetch=2, spares=2, fault_tolerance=ft,
+                           timeout=120) as loader:
+        for i, item in zip(range(steps), loader):
+            out["items"].append(item)
+            if rank == 0 and i == kill_at:
+                out["killed"] = faults.kill_role(loader, "planner")
+        out["faults"] = loader.stats()["client"]["faults"]
+    dist.destroy_process_group()
+    torch.save(out, f"{out_dir}/ft-{rank}.pt")
+
+
+@pytest.mark.slow
+def test_every_trainer_rank_follows_a_replaced_planner(corpus, tmp_path):
+    """Rank 0 (the leader) replaces a killed Planner; rank 1 learns where it is from rank 0 and both
+    ranks keep receiving exactly their batches."""
+    steps, kill_at = 14, 5
+    job = LocalJob(make_sources(corpus), group_strategy, ol.ClientPlaceTree(dp=2), GLOBAL_BATCH, None,
+                   image_token_id=corpus.image_token_id)
+    try:
+        reference = [job.step().outputs for _ in range(steps)]
+    finally:
+        job.close()
+    ctx = tmp.start_processes(_ft_trainer, args=(str(corpus.root), str(tmp_path), steps, kill_at), nprocs=2,
+                              join=False, start_method="spawn")
+    deadline = time.monotonic() + 240
+    try:
+        while not ctx.join(timeout=1.0):
+            assert time.monotonic() < deadline, "the trainer group did not finish"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    got = [torch.load(f"{tmp_path}/ft-{r}.pt", weights_only=False) for r in range(2)]
+    for r, g in enumerate(got):
+        assert [it["step"] for it in g["items"]] == list(range(steps))
+        for k, item in enumerate(g["items"]):
+            assert_identical(item["microbatches"], reference[k][r])
+    assert any(rec["how"] == "replaced the Planner" for rec in got[0]["faults"]["recoveries"])
+    assert any(rec["how"] == "learned the leader's new Planner" for rec in got[1]["faults"]["recoveries"])
+    assert not _alive(got[0]["killed"])

@@ -549,11 +549,13 @@ class PlannerActor(_Role):
         self.store.put(PLANNER_KEY, version, {"planner": state[LocalJob.PLANNER], "feedback": state[LocalJob.FEEDBACK],
                                               "consumed": {s: list(consumed.get(s, [])) for s in self.sources},
                                               "released": self.released, "gen": self.gen, "roles": self._roles()})
-        oldest = min([self.released] + [v for s in self.sources
-                                         for v in self.store.steps(f"loader/{s}")[-2:-1]])
-        self.store.gc(PLANNER_KEY, keep=1, keep_from=oldest)
+        # keep the two newest snapshots of each loader (a corrupt newest falls back to the one before)
+        # and every Planner checkpoint since the older one: the consumption log a replay needs
+        oldest = self.released
         for s in self.sources:
             self.store.gc(f"loader/{s}", keep=2)
+            oldest = min([oldest] + self.store.steps(f"loader/{s}")[:1])
+        self.store.gc(PLANNER_KEY, keep=1, keep_from=oldest)
 
     def _checkpoint_reset(self, version: int, state: dict) -> None:
         """A new line of history starts at ``version``: drop what came after it, snapshot everyone."""

@@ -49,6 +49,33 @@ from .transport import ActorDied, CallTimeout, Transport, check_timeout, settle
 __all__ = ["RpcJob", "SourceSpec", "RoleConfig", "start_roles"]
 
 RECOVERABLE = (JobReset, ActorDied, CallTimeout)
+REGISTRY = "planner-registry"
+
+
+class PlannerRegistry:
+    """Hosted by the leader client: where the Planner is, so the other clients follow a replacement."""
+
+    def __init__(self, name: str, worker: str):
+        self.current = {"name": name, "worker": worker}
+        self.lock = threading.Condition()
+
+    def moved(self, name: str, worker: int | str) -> None:
+        from ._rpc_worker import worker_name
+        with self.lock:
+            self.current = {"name": name, "worker": worker if isinstance(worker, str) else worker_name(worker)}
+            self.lock.notify_all()
+
+    def planner_after(self, old: str, timeout: float) -> cf.Future:
+        """The Planner once it is no longer ``old`` (None after ``timeout`` seconds): answered later."""
+        out: cf.Future = cf.Future()
+
+        def wait():
+            with self.lock:
+                self.lock.wait_for(lambda: self.current["name"] != old, timeout=timeout)
+                settle(out, dict(self.current) if self.current["name"] != old else None)
+
+        threading.Thread(target=wait, name="overlord-registry-wait", daemon=True).start()
+        return out
 
 
 class _Request:
@@ -261,6 +288,8 @@ class RpcJob:
         self._feedback_futs: list[cf.Future] = []
         self.transport = None
         self.fetches = 0                   # constructor fetch calls this client made
+        self._registry = None              # the leader tells the other clients where a new Planner is
+        self._planners = 0                 # replacement Planners started
         try:
             if transport is not None:
                 self.client = 0
@@ -281,6 +310,13 @@ class RpcJob:
         except BaseException:
             self.close()
             raise
+
+    def _host_registry(self) -> None:
+        """The leader, in a job with other clients, serves where the Planner is (it may replace it)."""
+        if self.client == 0 and self.cfg.clients > 1 and hasattr(self.transport, "place"):
+            from . import _rpc_worker as W
+            self._registry = PlannerRegistry(self.planner_name, W.worker_name(self.transport.worker_of(PLANNER)))
+            W._actor(REGISTRY).set(self._registry)
 
     def _start_in_group(self, startup_timeout: float, stop_timeout: float) -> None:
         """Group rank 0 starts the workers and broadcasts the rendezvous; every rank joins as a client."""
@@ -307,6 +343,7 @@ class RpcJob:
                     dist.broadcast_object_list([{"error": f"{type(e).__name__}: {e}"}], src=src, group=pg)
                 raise
             start_roles(self.transport, self.cfg, self.n_workers, self._spare_names())
+            self._host_registry()
         else:
             box = [None]
             dist.broadcast_object_list(box, src=src, group=pg)
@@ -485,12 +522,12 @@ class RpcJob:
         how = "new generation"
         if isinstance(err, JobReset) or actor is None:
             pass
-        elif actor == self.planner_name:
-            if not self.is_leader:
-                raise RoleLost(f"client {self.client} lost the Planner ({err}); only client 0 (the leader) can "
-                               f"replace it") from err
+        elif actor == self.planner_name and self.is_leader:
             self._replace_planner(err)
             how = "replaced the Planner"
+        elif actor == self.planner_name:
+            self._await_new_planner(err)
+            how = "learned the leader's new Planner"
         elif actor.startswith("constructor"):
             info = self._call(self.planner_name, "report_failure", actor, step).result(self.recovery_timeout)
             self._learn(info["where"])
@@ -501,12 +538,26 @@ class RpcJob:
         self.faults["recoveries"].append({"step": step, "actor": actor, "how": how,
                                           "seconds": round(time.monotonic() - t0, 4)})
 
+    def _await_new_planner(self, err: BaseException) -> None:
+        """Another client: wait (bounded) until the leader has a new Planner, then use it."""
+        if not hasattr(self.transport, "place"):
+            raise RoleLost(f"client {self.client} lost the Planner ({err}) and cannot learn its replacement") from err
+        from . import _rpc_worker as W
+        got = W.call_actor(W.client_name(0), REGISTRY, "planner_after", (self.planner_name, self.recovery_timeout),
+                           {}, self.recovery_timeout + 5).result(self.recovery_timeout + 10)
+        if got is None:
+            raise RoleLost(f"client {self.client} lost the Planner ({err}) and the leader (client 0) started no new one "
+                           f"within recovery_timeout={self.recovery_timeout:g} s") from err
+        self.transport.place({got["name"]: W.worker_index(got["worker"])})
+        self.planner_name = got["name"]
+
     def _replace_planner(self, err: BaseException) -> None:
         spares = self._spare_names()
         if not spares or self.cfg.checkpoint_dir is None:
             raise RoleLost(f"the Planner failed ({err}) and cannot be replaced: give the job spares= and "
                            f"checkpoint_dir=") from err
-        n = sum(1 for r in self.faults["recoveries"] if r["how"] == "replaced the Planner") + 1
+        self._planners += 1
+        n = self._planners
         name, cfg = f"{PLANNER}#{n}", self.cfg
         args = (cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors, cfg.clients,
                 cfg.timeout, self.transport.peers(), cfg.policy(spares))
@@ -523,9 +574,11 @@ class RpcJob:
                     continue
             else:
                 raise RoleLost(f"the Planner failed ({err}) and every spare process is dead") from err
-        self.planner_name = name
         info = self._call(name, "recover").result(self.recovery_timeout)
+        self.planner_name = name
         self._learn(info["where"])
+        if self._registry is not None:
+            self._registry.moved(name, self.transport.worker_of(name))
 
     def step(self, ranks: Iterable[int] | None = None) -> StepResult:
         """Plan and build the next step for ``ranks`` (all ranks when None)."""
