@@ -66,17 +66,21 @@ def _trainer(rank: int, root: str, out_dir: str, phase: str, steps: int, resume:
     torch.save(out, f"{out_dir}/{phase}-{rank}.pt")
 
 
-def _run_group(root, out_dir, phase, steps, resume, timeout=240):
-    ctx = tmp.start_processes(_trainer, args=(str(root), str(out_dir), phase, steps, resume), nprocs=WORLD,
-                              join=False, start_method="spawn")
+def _spawn_group(fn, args, nprocs, timeout=240):
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; bounded, nothing left running."""
+    ctx = tmp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=1.0):
-            assert time.monotonic() < deadline, f"trainer group {phase} did not finish within {timeout} s"
+            assert time.monotonic() < deadline, f"the trainer group did not finish within {timeout} s"
     finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+def _run_group(root, out_dir, phase, steps, resume):
+    _spawn_group(_trainer, (str(root), str(out_dir), phase, steps, resume), WORLD)
     return [torch.load(f"{out_dir}/{phase}-{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -160,16 +164,7 @@ def test_every_trainer_rank_follows_a_replaced_planner(corpus, tmp_path):
         reference = [job.step().outputs for _ in range(steps)]
     finally:
         job.close()
-    ctx = tmp.start_processes(_ft_trainer, args=(str(corpus.root), str(tmp_path), steps, kill_at), nprocs=2,
-                              join=False, start_method="spawn")
-    deadline = time.monotonic() + 240
-    try:
-        while not ctx.join(timeout=1.0):
-            assert time.monotonic() < deadline, "the trainer group did not finish"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    _spawn_group(_ft_trainer, (str(corpus.root), str(tmp_path), steps, kill_at), 2)
     got = [torch.load(f"{tmp_path}/ft-{r}.pt", weights_only=False) for r in range(2)]
     for r, g in enumerate(got):
         assert [it["step"] for it in g["items"]] == list(range(steps))

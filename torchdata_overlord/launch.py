@@ -4,8 +4,10 @@
 The config is a Python file whose ``job()`` returns the loader's keyword arguments: ``sources``,
 ``strategy`` (module level, it is pickled to the Planner's process), ``mesh``, ``global_batch``,
 ``seq_len`` and optionally ``seed``, ``buffer_size``, ``workers``, ``image_token_id``, ``pad_id``,
-``ignore_index``, ``constructors`` (Data Constructors, default one per DP group) and ``clients``
-(trainer processes that will connect, default every rank of the mesh). Trainers connect with
+``ignore_index``, ``constructors`` (Data Constructors, default one per DP group), ``clients``
+(trainer processes that will connect, default every rank of the mesh) and the fault-tolerance
+settings ``checkpoint_dir``, ``snapshot_every`` and ``shadows`` (a launched job has no spare
+processes yet: a failed loader is replaced by its shadow only). Trainers connect with
 ``OverlordLoader(..., runtime="rpc", address="MASTER_ADDR:MASTER_PORT", rank=r)``.
 
 Each node starts ``--workers-per-node`` role worker processes (default: enough for one role per
@@ -40,7 +42,8 @@ from .runtime.rpc_job import RoleConfig, start_roles
 
 log = logging.getLogger("torchdata_overlord.launch")
 JOB_KEYS = ("sources", "strategy", "mesh", "global_batch", "seq_len", "seed", "buffer_size", "workers",
-            "image_token_id", "pad_id", "ignore_index", "constructors", "clients")
+            "image_token_id", "pad_id", "ignore_index", "constructors", "clients", "checkpoint_dir", "snapshot_every",
+            "shadows")
 
 
 def load_config(path: str) -> dict:

@@ -153,6 +153,7 @@ class LoaderActor(_Role):
         if first:
             self.loader.reset(state)
             self.loader.fill()
+            self.loader.reset(state)         # keep the warm source, not the buffered samples
 
     def promote(self, gen: int, state: dict) -> dict:
         """Become the primary at ``state`` (the state after the last completed step)."""
