@@ -61,9 +61,12 @@ def print_roles(stats: dict) -> None:
     me = os.getpid()
     print(f"  {'trainer (this)':>16}: pid {me}, RSS {procs.get(me, {}).get('rss_mib')} MiB, "
           f"PSS {procs.get(me, {}).get('pss_mib')} MiB")
-    for role, pid in stats["roles"].items():
-        m = procs.get(pid) or procs.get(str(pid)) or {}
-        print(f"  {role:>16}: pid {pid}, RSS {m.get('rss_mib')} MiB, PSS {m.get('pss_mib')} MiB")
+    if set(stats["roles"].values()) == {me}:
+        print(f"  every role ({', '.join(stats['roles'])}) runs in this process")
+    else:
+        for role, pid in stats["roles"].items():
+            m = procs.get(pid) or procs.get(str(pid)) or {}
+            print(f"  {role:>16}: pid {pid}, RSS {m.get('rss_mib')} MiB, PSS {m.get('pss_mib')} MiB")
     if "planner" in stats:
         p = stats["planner"]
         print(f"  planner: next step {p['next_step']}, steps held {p['steps_held']}, waiting requests "
