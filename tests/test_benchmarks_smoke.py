@@ -33,3 +33,13 @@ def test_e2e_throughput_quick_writes_both_sides_and_the_overhead(tmp_path):
     m = data["machine"]
     assert m["cores"] >= 1 and m["memory_gib"] > 0 and data["date"]
     assert "overhead" in proc.stdout and "samples/s" in proc.stdout
+
+
+def test_python_m_benchmarks_runs_the_chosen_scripts_and_reports_failures():
+    ok = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "plan_speed"], capture_output=True,
+                        text=True, timeout=300, cwd=ROOT)
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    assert "=== plan_speed: ok" in ok.stdout and "1/1 benchmarks ran" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "benchmarks", "--only", "nonexistent"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
