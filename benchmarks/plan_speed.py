@@ -2,6 +2,8 @@
 
 Target (issue 2): 131,072 samples over 4,096 DP buckets x 8 microbatches in <= 0.5 s with
 either built-in method on one core, growing no worse than n log n in the number of samples.
+Also (issue 6) the other axis: plan time over 8..4,096 buckets at 131,072 samples per step (no
+token cap there: at 8 buckets a 16k-token cap would mean hundreds of microbatches per rank).
 Prints a table and writes ``benchmarks/results/plan_speed.json``.
 
     python benchmarks/plan_speed.py            # full curve 1k..1M
@@ -34,12 +36,13 @@ TARGET = {"samples": 131072, "buckets": 4096, "microbatches": 8, "seconds": 0.5}
 MAX_TOKENS = 16384   # per packed microbatch of a rank; longer documents are split into pieces
 
 
-def time_plan(method: str, samples: int, buckets: int, microbatches: int, repeats: int) -> dict:
+def time_plan(method: str, samples: int, buckets: int, microbatches: int, repeats: int,
+              max_tokens: int | None = MAX_TOKENS) -> dict:
     mesh = ol.ClientPlaceTree(dp=buckets)
 
     def strategy(g):
         return (g.mix(WEIGHTS).distribute("DP").cost(ol.attention_flops)
-                .balance(method, microbatches=microbatches, max_tokens=MAX_TOKENS, oversize="split").plan())
+                .balance(method, microbatches=microbatches, max_tokens=max_tokens, oversize="split").plan())
 
     planner = ol.Planner(strategy, mesh, global_batch=samples, seed=0)
     loaders = SimulatedLoaders(SOURCES, buffer_size=samples)
@@ -72,6 +75,18 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"{method:>15} {n:>8} {buckets:>7} {r['microbatches']:>3} {r['seconds_median']:>9.4f} "
                   f"{r['per_nlogn_ns']:>20.2f} {r['max_over_mean']:>8.3f} {r['lockstep_over_bound']:>10.3f}")
+    # the other axis: buckets (DP groups) at a fixed number of samples per step; without the token
+    # cap, which at 8 buckets would turn 16k samples per rank into hundreds of capped microbatches
+    bucket_rows = []
+    n_fixed = 16384 if args.quick else TARGET["samples"]
+    bucket_sizes = [8, 64] if args.quick else [8, 64, 512, 4096]
+    print(f"\nbuckets sweep at {n_fixed} samples, {TARGET['microbatches']} microbatches, no token cap:")
+    for method in ("greedy", "karmarkar_karp"):
+        for b in bucket_sizes:
+            r = time_plan(method, n_fixed, b, TARGET["microbatches"], repeats=3, max_tokens=None)
+            bucket_rows.append(r)
+            print(f"{method:>15} {n_fixed:>8} {b:>7} {r['microbatches']:>3} {r['seconds_median']:>9.4f} "
+                  f"{'':>20} {r['max_over_mean']:>8.3f} {r['lockstep_over_bound']:>10.3f}")
     verdict = {}
     if not args.quick:
         for method in ("greedy", "karmarkar_karp"):
@@ -83,7 +98,8 @@ def main(argv=None) -> int:
             print(f"{method}: {at['seconds_median']:.3f} s at the target size "
                   f"({'meets' if at['seconds_median'] <= TARGET['seconds'] else 'MISSES'} <= {TARGET['seconds']} s); "
                   f"time/(n log n) changes x{growth:.2f} from 16k to 1M samples")
-    out = {"benchmark": "plan_speed", "quick": args.quick, "target": TARGET, "rows": rows, "verdict": verdict}
+    out = {"benchmark": "plan_speed", "quick": args.quick, "target": TARGET, "rows": rows,
+           "bucket_rows": bucket_rows, "verdict": verdict}
     write_results(args.out, out)
     return 0
 

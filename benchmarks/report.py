@@ -36,6 +36,15 @@ def plan_speed_table(data: dict) -> list[str]:
     lines.append("")
     lines.append("max/mean is the per-rank cost spread of the planned step; below ~16k samples most of the 4,096 "
                  "buckets are empty, so it is large by construction.")
+    brows = data.get("bucket_rows") or []
+    if brows:
+        byb = {(r["method"], r["buckets"]): r for r in brows}
+        lines += ["", f"Over buckets at {brows[0]['samples']:,} samples per step ({brows[0]['microbatches']} "
+                      f"microbatches, no token cap):", "",
+                  "| buckets | greedy (s) | karmarkar_karp (s) |", "|---:|---:|---:|"]
+        for b in sorted({r["buckets"] for r in brows}):
+            lines.append(f"| {b:,} | {byb[('greedy', b)]['seconds_median']:.3f} | "
+                         f"{byb[('karmarkar_karp', b)]['seconds_median']:.3f} |")
     return lines
 
 
@@ -104,6 +113,15 @@ def runtimes_table(data: dict) -> list[str]:
         lines += ["", "A step that is ready still costs `next()` about a millisecond: the trainer thread takes the GIL back "
                       "from the loader's background threads (local: the prefetch thread building later steps; rpc: "
                       "the RPC threads unpickling replies), so 'steps > 1 ms' counts GIL hand-offs, not waits for data."]
+    sweep = runs.get("local", {}).get("prefetch_sweep")
+    if sweep:
+        lines += ["", "Local runtime, `next()` wait by prefetch (the first model step size; per microbatch = per "
+                      "step / microbatches):", "",
+                  "| prefetch | wait p50 ms | p50 per microbatch | wait p99 ms | step not ready at next() |",
+                  "|---:|---:|---:|---:|---:|"]
+        for p, l in sweep.items():
+            lines.append(f"| {p} | {l['wait_p50_ms']:.2f} | {l['wait_p50_ms_per_microbatch']:.2f} | "
+                         f"{l['wait_p99_ms']:.2f} | {100 * l['queue_empty_fraction']:.0f}% |")
     if t:
         lines += ["", f"- transport: handing the planned samples from the Source Loaders to the Data Constructors "
                       f"costs {t['take_rpc_us_per_sample']:.0f} us per sample over RPC against "

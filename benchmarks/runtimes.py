@@ -30,7 +30,9 @@ Measured per OverlordLoader run, on one loader and one iterator:
    time during the run, the fraction of steps that waited > 1 ms and > 5% of the (isolated) model step,
    and the fraction of ``next()`` calls that found no built step in the prefetch queue (a wait for the
    producer, as opposed to ``next()``'s own cost, which contends for the GIL with the prefetch thread),
-   and the fraction that both found the step not built and waited > 1 ms (a wait for data).
+   and the fraction that both found the step not built and waited > 1 ms (a wait for data). For the
+   local runtime also with prefetch 0 (``next()`` builds its own step) and 1, a fresh loader each,
+   per step and per microbatch;
    Target (issue): with prefetch 2, the trainer waits on data in < 1% of steps once warm;
 3. transport: the wall time of each step's hand-over of the planned samples from the Source Loaders
    to the Data Constructors: in ``local`` the in-process ``SourceLoader.take`` calls, in ``rpc`` each
@@ -221,16 +223,32 @@ def run_overlord(runtime: str, corpus, a: dict) -> dict:
                "take": take}
         # 2. fetch latency under a model step, for each model size (the loader is the same, warm)
         lats = [latency_run(loader, it, model, model_ms, a) for model, model_ms in models]
+    # 3. (local) the same latency with prefetch 0 and 1, a loader each, against the first model size
+    sweep = {TARGET["prefetch"]: lats[0]}
+    if runtime == "local":
+        for p in (0, 1):
+            with ol.OverlordLoader(e2e.make_sources(corpus, a["seed"], None), strategy, mesh, rank=None,
+                                   global_batch=gb, seq_len=None, seed=a["seed"], runtime=runtime, prefetch=p,
+                                   image_token_id=corpus.image_token_id, **kw) as other:
+                it2 = iter(other)
+                for _ in range(a["warmup"]):
+                    e2e.consume(next(it2))
+                sweep[p] = latency_run(other, it2, *models[0], a)
+    for lat in sweep.values():
+        lat["wait_p50_ms_per_microbatch"] = lat["wait_p50_ms"] / MICROBATCHES
+        lat["wait_p99_ms_per_microbatch"] = lat["wait_p99_ms"] / MICROBATCHES
     return {"runtime": runtime, "processes": 1 + (WORKERS if runtime == "rpc" else 0),
             "workers": kw, "mesh": MESH, "rank": None, "startup_s": first, "construct_s": t_built - t_start,
-            **thr, "latency": lats[0], "latencies": lats}
+            **thr, "latency": lats[0], "latencies": lats,
+            "prefetch_sweep": {str(p): sweep[p] for p in sorted(sweep)}}
 
 
 def latency_run(loader, it, model, model_ms: float, a: dict) -> dict:
     """Time each ``next()`` with a model step between calls (after ``latency_warmup`` steps)."""
     waits, steps_s, empty = [], [], []
     for i in range(a["latency_warmup"] + a["latency_steps"]):
-        head = list(loader._queue.queue)[:1]        # no built step waiting: next() must wait for the producer
+        # no built step waiting: next() must wait for the producer (always, with prefetch 0)
+        head = list(loader._queue.queue)[:1] if loader.prefetch else []
         was_empty = not head or not head[0].done()
         w0 = time.perf_counter()
         item = next(it)
@@ -243,7 +261,7 @@ def latency_run(loader, it, model, model_ms: float, a: dict) -> dict:
             empty.append(was_empty)
     wms = [1e3 * w for w in waits]
     thr_5 = max(1.0, 0.05 * model_ms)
-    return {"steps": len(wms), "warmup": a["latency_warmup"], "prefetch": TARGET["prefetch"],
+    return {"steps": len(wms), "warmup": a["latency_warmup"], "prefetch": loader.prefetch,
             "wait_p50_ms": pct(wms, 50), "wait_p99_ms": pct(wms, 99), "wait_max_ms": max(wms),
             "wait_mean_ms": float(np.mean(wms)),
             "model_step_isolated_ms": model_ms, "model_batch": model.batch,
@@ -367,6 +385,11 @@ def main(argv=None) -> int:
                   f"{'MEETS' if verdict[f'{tag}_meets_target_data_not_ready'] else 'MISSES'} it counting waits > 1 ms "
                   f"for a step not yet built; the loader alone needs {loader_ms:.0f} ms per step of "
                   f"{a['global_batch']} (throughput run)")
+    if "local" in runs and runs["local"].get("prefetch_sweep"):
+        print(f"\nlocal, fetch wait per step and per microbatch ({MICROBATCHES} a step) by prefetch:")
+        for p, l in runs["local"]["prefetch_sweep"].items():
+            print(f"  prefetch {p}: p50 {l['wait_p50_ms']:.2f} ms ({l['wait_p50_ms_per_microbatch']:.2f} per "
+                  f"microbatch), p99 {l['wait_p99_ms']:.2f} ms, steps not ready {100 * l['queue_empty_fraction']:.0f}%")
     transport = {}
     if "local" in runs and "rpc" in runs:
         lo, rp = runs["local"], runs["rpc"]

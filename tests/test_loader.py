@@ -219,6 +219,25 @@ def test_single_rank_loader_matches_the_simulation(corpus):
                 assert_identical(item, s[rank])
 
 
+def test_prefetch_zero_builds_each_step_in_next_and_resumes(corpus):
+    """prefetch=0: no producer thread; the same stream, and the same state after each step."""
+    mesh = dict(dp=2, cp=2)
+    with make_loader(corpus, "dp", mesh, prefetch=3) as ref:
+        expected = [item for _, item in zip(range(5), ref)]
+    before = {t.name for t in threading.enumerate()}
+    with make_loader(corpus, "dp", mesh, prefetch=0) as sync:
+        it = iter(sync)
+        got = [next(it) for _ in range(3)]
+        assert not {t.name for t in threading.enumerate()} - before      # nothing runs ahead of the trainer
+        state = sync.state_dict()
+    assert_identical(got, expected[:3])
+    with make_loader(corpus, "dp", mesh, prefetch=0) as again:
+        again.load_state_dict(state)
+        assert_identical([item for _, item in zip(range(2), again)], expected[3:])
+    with pytest.raises(ol.ConfigError, match="prefetch"):
+        make_loader(corpus, "dp", mesh, prefetch=-1)
+
+
 def test_no_sample_lost_or_repeated_within_an_epoch(corpus):
     mesh = ol.ClientPlaceTree(dp=2, cp=2, tp=2)
     sources = make_sources(corpus, epochs=1, names=("web", "code"))

@@ -101,8 +101,8 @@ class OverlordLoader:
             raise ConfigError(f"mesh must be a ClientPlaceTree, got {type(mesh).__name__}")
         if rank is not None and not (isinstance(rank, int) and 0 <= rank < mesh.world_size):
             raise ConfigError(f"rank {rank!r} is outside the mesh's {mesh.world_size} ranks ({mesh.describe()})")
-        if not isinstance(prefetch, int) or prefetch < 1:
-            raise ConfigError(f"prefetch must be an integer >= 1, got {prefetch!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"prefetch must be an integer >= 0 (0: each next() builds its own step), got {prefetch!r}")
         if not timeout > 0:
             raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
         sources = list(sources)
@@ -128,6 +128,7 @@ class OverlordLoader:
         self._consumed = {self.K_STEP: 0, self.K_JOB: self._job.state_dict()}
         self._pending: dict | None = None
         self._thread: threading.Thread | None = None
+        self._active = False               # iterating (with a producer thread when prefetch > 0)
         self._stop = threading.Event()
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
@@ -148,6 +149,9 @@ class OverlordLoader:
             self._consumed, self._pending = self._pending, None
             self._feedback = copy.deepcopy(self._consumed[self.K_JOB].get(LocalJob.FEEDBACK, []))
         self._job.load_state_dict(self._job_state(self._consumed))
+        self._active = True
+        if self.prefetch == 0:                 # no producer: each next() builds its own step
+            return self
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=self.prefetch)
         self._slots = threading.Semaphore(self.prefetch)   # steps the producer may build ahead of the trainer
@@ -179,17 +183,23 @@ class OverlordLoader:
                 return
 
     def __next__(self) -> dict:
-        if self._thread is None:
+        if not self._active:
             iter(self)
         t0 = time.perf_counter()
-        while True:
-            try:
-                fut = self._queue.get(timeout=0.1)
-                break
-            except queue.Empty:
-                if self._thread is None or not self._thread.is_alive():
-                    raise StopIteration from None
-                self._check_timeout(t0)
+        if self.prefetch == 0:
+            with self._lock:
+                fut = self._job.submit(None if self.rank is None else [self.rank],
+                                       consumed=self._consumed[self.K_STEP])
+        else:
+            while True:
+                try:
+                    fut = self._queue.get(timeout=0.1)
+                    break
+                except queue.Empty:
+                    if self._thread is None or not self._thread.is_alive():
+                        self._active = False
+                        raise StopIteration from None
+                    self._check_timeout(t0)
         ready = fut.done()
         while True:
             try:
@@ -200,12 +210,13 @@ class OverlordLoader:
             except SourceExhausted as e:
                 self.exhausted_reason = str(e)
                 log.info("OverlordLoader: %s", e)
-                self._thread = None
+                self._thread, self._active = None, False
                 raise StopIteration from None
             except BaseException:
-                self._thread = None
+                self._thread, self._active = None, False
                 raise
-        self._slots.release()
+        if self.prefetch:
+            self._slots.release()
         self._waits.append(time.perf_counter() - t0)
         if not ready and getattr(fut, "delayed", False):
             self.stalls += 1               # the trainer waited for a step a failure had delayed
