@@ -318,7 +318,9 @@ def run_config(w: Workload, dp: int, ctx: int, steps: int, mean_tokens: float, k
     for label, kind, method in strategies:
         figs = acc[label]
         row = {"kind": kind, "method": method,
-               **{k: float(np.mean([f[k] for f in figs])) for k in figs[0] if k != "step_flops"},
+               **{k: float(np.mean([f[k] for f in figs])) for k in figs[0] if k not in ("step_flops", "max_bin_tokens")},
+               "max_bin_tokens": int(max(f["max_bin_tokens"] for f in figs)),
+               "token_cap": ctx if kind == "cp" else ctx * w.cp,
                "step_flops": float(np.mean([f["step_flops"] for f in figs])),
                "sim_speedup": base / sum(f["step_flops"] for f in figs), "plan_s": plan_s[label] / steps}
         out[label] = row
@@ -525,7 +527,7 @@ def plot(path: Path, snapshots: dict, rows: list[dict], measured: list[dict], dp
     fig, axes = plt.subplots(2, 2, figsize=(14, 8.5))
     for ax, (name, snap) in zip(axes.flat, snapshots.items()):
         after = snap["after"]
-        x = None
+        x, top = None, 0.0
         for off, label, color in ((-0.2, "vanilla", "#d62728"), (0.2, after, "#1f77b4")):
             s = snap["strategies"][label]
             bb = LAYERS["backbone"] * s["backbone"].sum(0) / 1e15
@@ -534,12 +536,16 @@ def plot(path: Path, snapshots: dict, rows: list[dict], measured: list[dict], dp
             ax.bar(x + off, bb, 0.4, color=color, label=f"{label}: backbone")
             if enc.any():
                 ax.bar(x + off, enc, 0.4, bottom=bb, color=color, alpha=0.45, hatch="//", label=f"{label}: encoder")
+            step = step_time(s["backbone"], s["encoder"])[0] / 1e15
+            ax.axhline(step, color=color, ls="--", lw=1.2, label=f"{label}: lockstep step time")
+            top = max(top, step, float((bb + enc).max()))
+        ax.set_ylim(0, top * 1.3)
         ax.set(title=f"{name}: per-rank cost of one step (DP {snap['dp']}"
                + (f" x CP {snap['cp']}" if snap["cp"] > 1 else "") + f", ctx {snap['ctx'] // 1024}k)",
                xlabel="rank", ylabel="PFLOPs per step (layer-weighted)")
         if x is not None and len(x) <= 16:
             ax.set_xticks(x)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, ncol=3, loc="upper center")
     ax = axes.flat[3]
     colors = {"captions": "#2ca02c", "image_text": "#9467bd", "long": "#ff7f0e"}
     for dp, style in zip(dp_curves, ("o-", "s--", "^:")):

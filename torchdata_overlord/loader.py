@@ -2,7 +2,7 @@
 
 Iterating yields, per training step, what this rank receives: its microbatches as dicts of
 tensors (or metadata only, or nothing, as the plan says). A background thread prefetches
-``prefetch`` steps. ``state_dict()`` describes what the trainer has *consumed*, not what was
+``prefetch`` steps (``prefetch=0``: no thread, each ``next()`` builds its own step). ``state_dict()`` describes what the trainer has *consumed*, not what was
 prefetched, holds only plain Python types, is cheap and side-effect free; ``load_state_dict()``
 copies its input and applies it at the next ``iter()``, which continues with exactly the steps
 an uninterrupted run would have produced.
