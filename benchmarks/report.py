@@ -45,6 +45,12 @@ def plan_speed_table(data: dict) -> list[str]:
         for b in sorted({r["buckets"] for r in brows}):
             lines.append(f"| {b:,} | {byb[('greedy', b)]['seconds_median']:.3f} | "
                          f"{byb[('karmarkar_karp', b)]['seconds_median']:.3f} |")
+        slow = [r for r in brows if r["seconds_median"] > t["seconds"]]
+        if slow:
+            lines += ["", "- Short of the target: " + ", ".join(
+                f"{r['method']} at {r['buckets']} buckets ({r['seconds_median']:.2f} s)" for r in slow)
+                + ". With few buckets each holds thousands of samples, and the split of a bucket into microbatches "
+                  "runs the method on Python lists per bucket (the vectorised path serves many small buckets)."]
     return lines
 
 
