@@ -162,6 +162,32 @@ def fault_recovery_table(data: dict) -> list[str]:
     return lines
 
 
+def balance_table(data: dict) -> list[str]:
+    m, sm = data["machine"], data["summary"]
+    lines = [f"**Balance** (`python benchmarks/balance.py`, {data['date']}, {m['cores']} cores): coyo-like captions "
+             f"with images, image-text with skewed patch counts and heavy-tailed long context (on dp x cp=4), DP 8, "
+             f"64, 512, contexts 4k-32k, 8 microbatches; simulated step time with the attention-FLOPs model (32 "
+             f"backbone layers plus the encoder), and a measured step on the CPU (SDPA blocks, sizes scaled down, "
+             f"8 ranks, 8k). Plot: `benchmarks/results/balance.png`.", "",
+             "| workload | strategy | mean simulated speedup | best | per-rank max/mean | lockstep / bound |",
+             "|---|---|---:|---:|---:|---:|"]
+    for wl, by in sm["by_workload"].items():
+        for strat, r in by.items():
+            lines.append(f"| {wl} | {strat} | {r['mean_sim_speedup']:.2f}x | {r['max_sim_speedup']:.2f}x | "
+                         f"{r['mean_max_over_mean']:.2f} | {r['mean_lockstep_over_bound']:.2f} |")
+    ctx = sm["by_context"]
+    lines += ["", "- best strategy's mean simulated speedup over vanilla by context length: " + ", ".join(
+        f"{int(k) // 1024}k {v['mean_best_sim_speedup']:.2f}x" for k, v in ctx.items()) + "."]
+    meas = data.get("measured", {}).get("rows", [])
+    if meas:
+        parts = []
+        for r in meas:
+            best = max((v for k, v in r["strategies"].items() if k != "vanilla"), key=lambda v: v["speedup"])
+            parts.append(f"{r['workload']} {best['speedup']:.2f}x (simulated {best['sim_speedup']:.2f}x)")
+        lines.append("- measured on the CPU, best strategy over vanilla: " + "; ".join(parts) + ".")
+    return lines
+
+
 def mixing_table(data: dict) -> list[str]:
     m, c = data["machine"], data["config"]
     lines = [f"**Mixing accuracy** (`python benchmarks/mixing_accuracy.py`, {data['date']}, {m['cores']} cores): a "
@@ -197,6 +223,11 @@ def render() -> str:
         data = json.loads(path.read_text())
         if not data.get("quick"):
             lines += ([""] if lines else []) + runtimes_table(data)
+    path = RESULTS / "balance.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        if not data.get("quick"):
+            lines += ([""] if lines else []) + balance_table(data)
     path = RESULTS / "mixing_accuracy.json"
     if path.exists():
         data = json.loads(path.read_text())
