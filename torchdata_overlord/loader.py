@@ -197,7 +197,7 @@ class OverlordLoader:
                     break
                 except queue.Empty:
                     if self._thread is None or not self._thread.is_alive():
-                        self._active = False
+                        self._end()
                         raise StopIteration from None
                     self._check_timeout(t0)
         ready = fut.done()
@@ -210,10 +210,10 @@ class OverlordLoader:
             except SourceExhausted as e:
                 self.exhausted_reason = str(e)
                 log.info("OverlordLoader: %s", e)
-                self._thread, self._active = None, False
+                self._end()
                 raise StopIteration from None
-            except BaseException:
-                self._thread, self._active = None, False
+            except Exception:               # the step failed: the stream stops here (an interrupt is not caught)
+                self._end()
                 raise
         if self.prefetch:
             self._slots.release()
@@ -225,6 +225,11 @@ class OverlordLoader:
         self._feedback = [f for f in self._feedback if f[0] >= planned]   # the rest is in the snapshot
         self.last_plan = res.plan
         return self._package(res.step, res.outputs)
+
+    def _end(self) -> None:
+        """The stream stopped (exhausted or failed): stop the producer; a next ``iter()`` restarts."""
+        self._active = False
+        self._stop_producer()
 
     def _check_timeout(self, t0: float) -> None:
         if time.perf_counter() - t0 >= self.timeout:
