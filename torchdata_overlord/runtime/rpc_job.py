@@ -239,11 +239,15 @@ def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1, spare
 class RpcJob:
     """``RpcJob(sources, strategy, mesh, global_batch, seq_len, seed=0, buffer_size=None, workers=0,
     image_token_id=None, pad_id=0, ignore_index=-100, n_workers=None, *, constructors=None, timeout=60,
-    startup_timeout=60, stop_timeout=10, transport=None, group=None, address=None, client=None, spares=0)``:
+    startup_timeout=60, stop_timeout=10, transport=None, group=None, address=None, client=None, spares=0,
+    checkpoint_dir=None, snapshot_every=10, shadows=False, recovery_timeout=120)``:
     LocalJob's API (``step``, ``submit``, ``state_dict``, ``load_state_dict``, ``add_feedback``,
     ``step_index``, ``stats``, ``close``, context manager) with the roles in worker processes.
     ``n_workers=None`` gives every role its own process; ``spares`` more worker processes start
-    with the group and stay idle (RPC membership is fixed at start: a replacement must exist then)."""
+    with the group and stay idle (RPC membership is fixed at start: a replacement must exist then).
+    ``checkpoint_dir``, ``snapshot_every`` and ``shadows`` make failed roles replaceable (see
+    :mod:`~torchdata_overlord.runtime.planner_actor`); ``timeout`` is each call's, so also how long a
+    frozen role goes unnoticed."""
 
     PLANNER, LOADERS, FEEDBACK = LocalJob.PLANNER, LocalJob.LOADERS, LocalJob.FEEDBACK
 
