@@ -206,38 +206,19 @@ def mixing_table(data: dict) -> list[str]:
     return lines
 
 
+TABLES = [("plan_speed", plan_speed_table), ("e2e_throughput", e2e_throughput_table), ("runtimes", runtimes_table),
+          ("balance", balance_table), ("mixing_accuracy", mixing_table), ("fault_recovery", fault_recovery_table)]
+
+
 def render() -> str:
+    """Every full (not ``--quick``) result present, in the order of ``TABLES``."""
     lines = []
-    path = RESULTS / "plan_speed.json"
-    if path.exists():
-        data = json.loads(path.read_text())
-        if not data.get("quick"):
-            lines += plan_speed_table(data)
-    path = RESULTS / "e2e_throughput.json"
-    if path.exists():
-        data = json.loads(path.read_text())
-        if not data.get("quick"):
-            lines += ([""] if lines else []) + e2e_throughput_table(data)
-    path = RESULTS / "runtimes.json"
-    if path.exists():
-        data = json.loads(path.read_text())
-        if not data.get("quick"):
-            lines += ([""] if lines else []) + runtimes_table(data)
-    path = RESULTS / "balance.json"
-    if path.exists():
-        data = json.loads(path.read_text())
-        if not data.get("quick"):
-            lines += ([""] if lines else []) + balance_table(data)
-    path = RESULTS / "mixing_accuracy.json"
-    if path.exists():
-        data = json.loads(path.read_text())
-        if not data.get("quick"):
-            lines += ([""] if lines else []) + mixing_table(data)
-    path = RESULTS / "fault_recovery.json"
-    if path.exists():
-        data = json.loads(path.read_text())
-        if not data.get("quick"):
-            lines += ([""] if lines else []) + fault_recovery_table(data)
+    for name, table in TABLES:
+        path = RESULTS / f"{name}.json"
+        if path.exists():
+            data = json.loads(path.read_text())
+            if not data.get("quick"):
+                lines += ([""] if lines else []) + table(data)
     return "\n".join(lines) if lines else "No benchmark results yet: run the scripts in `benchmarks/`."
 
 
