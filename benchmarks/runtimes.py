@@ -248,7 +248,7 @@ def latency_run(loader, it, model, model_ms: float, a: dict) -> dict:
     waits, steps_s, empty = [], [], []
     for i in range(a["latency_warmup"] + a["latency_steps"]):
         # no built step waiting: next() must wait for the producer (always, with prefetch 0)
-        head = list(loader._queue.queue)[:1] if loader.prefetch else []
+        head = list(loader._ahead)[:1] if loader.prefetch else []
         was_empty = not head or not head[0].done()
         w0 = time.perf_counter()
         item = next(it)

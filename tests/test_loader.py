@@ -386,6 +386,8 @@ try:
     with make_loader(corpus, "dp", dict(dp=2), workers=2) as loader:
         for i, _ in enumerate(loader):
             if i == 0:
+                import faulthandler
+                faulthandler.dump_traceback_later(45, exit=True)    # a hang shows every thread's stack
                 print("ready", flush=True)
 except KeyboardInterrupt:
     print("interrupted", flush=True)

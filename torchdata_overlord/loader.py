@@ -130,7 +130,11 @@ class OverlordLoader:
         self._thread: threading.Thread | None = None
         self._active = False               # iterating (with a producer thread when prefetch > 0)
         self._stop = threading.Event()
-        self._queue: queue.Queue = queue.Queue()
+        # C-level queues only between the trainer thread and the producer: a Ctrl-C landing in the
+        # trainer's wait must not leave a Python-level lock held that the producer then blocks on
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()      # built steps' futures, in order
+        self._slots: queue.SimpleQueue = queue.SimpleQueue()      # one token per step that may be built ahead
+        self._ahead: collections.deque = collections.deque()      # the same futures, to peek at the head
         self._closed = False
         self._lock = threading.Lock()      # the producer steps the job under it; stats() reads under it
         self.exhausted_reason: str | None = None
@@ -153,19 +157,24 @@ class OverlordLoader:
         if self.prefetch == 0:                 # no producer: each next() builds its own step
             return self
         self._stop = threading.Event()
-        self._queue = queue.Queue(maxsize=self.prefetch)
-        self._slots = threading.Semaphore(self.prefetch)   # steps the producer may build ahead of the trainer
-        self._thread = threading.Thread(target=self._produce, args=(self._stop, self._queue, self._slots),
+        self._queue, self._slots, self._ahead = queue.SimpleQueue(), queue.SimpleQueue(), collections.deque()
+        for _ in range(self.prefetch):                      # steps the producer may build ahead of the trainer
+            self._slots.put(None)
+        self._thread = threading.Thread(target=self._produce,
+                                        args=(self._stop, self._queue, self._slots, self._ahead),
                                         name="overlord-prefetch", daemon=True)
         self._thread.start()
         return self
 
-    def _produce(self, stop: threading.Event, out: queue.Queue, slots: threading.Semaphore) -> None:
+    def _produce(self, stop: threading.Event, out: queue.SimpleQueue, slots: queue.SimpleQueue,
+                 ahead: collections.deque) -> None:
         """Submit steps ahead of the trainer (at most ``prefetch`` not yet consumed); the queue holds
         each step's future in order (LocalJob computes it here, RpcJob's roles compute it remotely)."""
         ranks = None if self.rank is None else [self.rank]
         while not stop.is_set():
-            if not slots.acquire(timeout=0.1):      # at most `prefetch` steps built and not yet consumed
+            try:
+                slots.get(timeout=0.1)              # at most `prefetch` steps built and not yet consumed
+            except queue.Empty:
                 continue
             try:
                 with self._lock:
@@ -173,12 +182,8 @@ class OverlordLoader:
             except BaseException as e:  # noqa: BLE001 (handed to the trainer thread, re-raised there)
                 fut = cf.Future()
                 fut.set_exception(e)
-            while not stop.is_set():
-                try:
-                    out.put(fut, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
+            ahead.append(fut)
+            out.put(fut)
             if fut.done() and fut.exception() is not None:
                 return
 
@@ -194,6 +199,7 @@ class OverlordLoader:
             while True:
                 try:
                     fut = self._queue.get(timeout=0.1)
+                    self._ahead.popleft()
                     break
                 except queue.Empty:
                     if self._thread is None or not self._thread.is_alive():
@@ -216,7 +222,7 @@ class OverlordLoader:
                 self._end()
                 raise
         if self.prefetch:
-            self._slots.release()
+            self._slots.put(None)
         self._waits.append(time.perf_counter() - t0)
         if not ready and getattr(fut, "delayed", False):
             self.stalls += 1               # the trainer waited for a step a failure had delayed
