@@ -376,8 +376,11 @@ def test_torch_distributed_checkpoint_round_trip(corpus, tmp_path):
 def test_ctrl_c_stops_the_loader_and_its_threads(corpus, tmp_path):
     import signal
 
+    # a shell's background job starts with SIGINT ignored, and a child would inherit that: restore
+    # the handler a trainer in a terminal has
     script = f"""
-import sys, threading
+import signal, sys, threading
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {str(ROOT / 'tests')!r})
 from test_loader import make_loader
 from torchdata_overlord.sim.corpus import build_demo_corpus
