@@ -1,19 +1,13 @@
 """Smoke run of the balance benchmark (--quick): every configuration plans, balancing beats arrival order."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _benchmarks import run_quick
 
 
 def test_balance_quick_writes_figures_that_hold(tmp_path):
     out = tmp_path / "balance.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "balance.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, proc = run_quick("balance", out, timeout=300)
     assert data["benchmark"] == "balance" and data["quick"] and not data["errors"]
     assert {"config", "workloads", "simulated", "measured", "summary", "plot", "machine", "date", "total_s"} <= set(data)
     assert Path(data["plot"]).exists() and Path(data["plot"]).stat().st_size > 10_000

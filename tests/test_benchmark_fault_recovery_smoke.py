@@ -1,22 +1,16 @@
 """Smoke run of the fault recovery benchmark (--quick): every scenario runs, the stream survives."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from _benchmarks import run_quick
 
 
 @pytest.mark.slow
 def test_fault_recovery_quick_runs_every_scenario(tmp_path):
     out = tmp_path / "fault.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fault_recovery.py"), "--quick", "--out", str(out),
-                           "--root", str(tmp_path / "corpus")], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, _ = run_quick("fault_recovery", out, "--root", str(tmp_path / "corpus"), timeout=600)
     assert data["benchmark"] == "fault_recovery" and data["quick"] and not data["errors"]
     res = data["results"]
     assert set(res) == {"planner_p2", "planner_p4", "loaders_p2"}

@@ -1,13 +1,9 @@
 """Smoke run of the mixing-accuracy benchmark: the library's mix against torchdata's MultiNodeWeightedSampler."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+from _benchmarks import run_quick
+
 METHODS = ("library", "rebuild_from_state", "reweight_new_epoch", "recreate_same_seed")
 
 
@@ -19,10 +15,7 @@ def window_deviation(counts, target, batch, w):
 
 def test_mixing_quick_follows_the_curriculum_and_beats_iid(tmp_path):
     out = tmp_path / "mixing.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mixing_accuracy.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, proc = run_quick("mixing_accuracy", out, timeout=120)
     assert data["benchmark"] == "mixing_accuracy" and data["quick"] is True
     assert not data["errors"] and not data["checks_failed"]
     cfg = data["config"]

@@ -1,20 +1,11 @@
 """Smoke run of the runtimes benchmark: DataLoader, OverlordLoader local and rpc, each in its own process."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from _benchmarks import run_quick
 
 
 def test_runtimes_quick_writes_all_three_runs_and_latency(tmp_path):
     out = tmp_path / "runtimes.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "runtimes.py"), "--quick", "--out", str(out),
-                           "--root", str(tmp_path / "corpus"), "--model-ms", "20,40"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, proc = run_quick("runtimes", out, "--root", str(tmp_path / "corpus"), "--model-ms", "20,40", timeout=300)
     assert data["benchmark"] == "runtimes" and data["quick"] and data["scale"] == "test"
     assert not data["errors"]
     runs = data["runs"]
