@@ -1,7 +1,6 @@
 """The main demo, the tutorials and the benchmark smoke runs work as documented."""
 
 import json
-import re
 import runpy
 import subprocess
 import sys

@@ -13,9 +13,10 @@ processes yet: a failed loader is replaced by its shadow only). Trainers connect
 Each node starts ``--workers-per-node`` role worker processes (default: enough for one role per
 process over all nodes); node 0 hosts the rendezvous store (under ``torchrun``, the agent's), checks
 the configuration before anything starts (port in use, sources that cannot be opened, a role count
-that does not fit the mesh), starts the roles once every member joined, and then watches: a
-trainer or a worker that dies, or Ctrl-C / SIGTERM, ends the whole job (every node's workers exit,
-nothing hangs). Node ranks > 0 wait at most ``--connect-timeout`` seconds for node 0.
+that does not fit the mesh), starts the roles once every member joined, and then watches: the job
+ends normally once every trainer has left (each tells the launcher when its loader closes, on its own
+time), and a trainer or a worker that dies, or Ctrl-C / SIGTERM, ends it with exit code 1 (every
+node's workers exit, nothing hangs). Node ranks > 0 wait at most ``--connect-timeout`` seconds for node 0.
 
 Security: RPC peers exchange pickles, so anyone who can reach these ports can run code in every
 role. The default binds TensorPipe to loopback (``--interface lo``) and refuses a non-loopback
@@ -155,58 +156,61 @@ class Launcher:
     # -- node 0: the roles and the watch ---------------------------------------------------------
     def run_leader(self, layout: dict) -> int:
         from .runtime.rpc_transport import RpcTransport, stop_rpc
-        import torch.distributed.rpc as rpc
 
         rv, clients = layout["rendezvous"], self.cfg.clients
         transport = RpcTransport.join(rv, clients, startup_timeout=self.a.join_timeout, stop_timeout=5.0)
         start_roles(transport, self.cfg, self.n_workers)
         print(f"torchdata_overlord.launch: roles started on {self.n_workers} workers; trainers connect with "
               f"address='{self.a.master_addr}:{self.a.master_port}'", flush=True)
-        done = threading.Event()
-
-        def wait_all():                      # the graceful shutdown barrier: every member leaves together
-            try:
-                rpc.shutdown(graceful=True, timeout=0)
-            except BaseException as e:       # noqa: BLE001
-                log.warning("graceful shutdown failed: %s", e)
-            done.set()
-
-        threading.Thread(target=wait_all, name="overlord-launch-shutdown", daemon=True).start()
-        transport._rpc_up = False            # the barrier thread owns the shutdown now
-        reason = self.watch(done, clients)
+        transport._rpc_up = False            # this method owns the shutdown (no group barrier)
+        reason = self.watch(clients)
         if reason is None:
-            return 0
-        log.error("torchdata_overlord.launch: %s: stopping every role", reason)
-        print(f"torchdata_overlord.launch: {reason}; stopping every role", file=sys.stderr, flush=True)
-        for i in range(self.n_workers):      # other nodes' workers exit too (their launchers then exit)
-            try:
-                rpc.rpc_async(W.worker_name(i), W._exit_now, args=(1,), timeout=2)
-            except BaseException:            # noqa: BLE001
-                pass
-        time.sleep(0.2)                      # let the exit requests leave before our agent stops
+            log.info("every trainer left: stopping the roles")
+        else:
+            log.error("torchdata_overlord.launch: %s: stopping every role", reason)
+            print(f"torchdata_overlord.launch: {reason}; stopping every role", file=sys.stderr, flush=True)
+        self.stop_workers(0 if reason is None else 1)
         stop_rpc(False, 5.0)
-        return 1
+        return 0 if reason is None else 1
 
-    def watch(self, done: threading.Event, clients: int) -> str | None:
-        """None when the job ended normally; else why it must stop."""
+    def stop_workers(self, code: int) -> None:
+        """Every worker, on every node, exits with ``code`` (their launchers then exit too)."""
         import torch.distributed.rpc as rpc
 
+        futs = []
+        for i in range(self.n_workers):
+            try:
+                futs.append(rpc.rpc_async(W.worker_name(i), W._exit_now, args=(code,), timeout=2))
+            except BaseException:            # noqa: BLE001 - already gone
+                pass
+        for f in futs:
+            try:
+                f.wait()
+            except BaseException:            # noqa: BLE001 - already gone
+                pass
+
+    def watch(self, clients: int) -> str | None:
+        """None once every trainer client left; else why the job must stop (interrupted, a worker or a
+        trainer gone without leaving)."""
+        import torch.distributed.rpc as rpc
+
+        everyone = set(range(clients))
         next_ping = time.monotonic() + self.a.ping_every
-        while not done.wait(0.1):
+        while W.wait_left(everyone, 0.1):
             if self.stopping.is_set():
                 return "interrupted"
             dead = [p.name for p in self.procs if not p.is_alive()]
-            if dead and not done.wait(1.0):
+            if dead:
                 return f"worker process(es) {dead} died"
             if time.monotonic() >= next_ping:
                 next_ping = time.monotonic() + self.a.ping_every
                 futs = {c: rpc.rpc_async(W.client_name(c), os.getpid, timeout=max(1.0, self.a.ping_every))
-                        for c in range(clients)}
+                        for c in sorted(everyone - W.left_clients())}
                 for c, f in futs.items():
                     try:
                         f.wait()
                     except BaseException as e:       # noqa: BLE001
-                        if not done.wait(2.0):       # a trainer that left with the barrier is not dead
+                        if c not in W.left_clients():   # a trainer that left just now is not dead
                             return f"trainer client {c} is unreachable ({str(e).splitlines()[0][:120]})"
         return None
 

@@ -176,8 +176,60 @@ def _invoke(name: str, caller: str, seq: int, method: str, args, kwargs) -> torc
 
 
 def _exit_now(code: int = 0) -> None:
-    """Abort this process at once (a fault path: the job is being torn down)."""
+    """End this process at once, skipping RPC's shutdown barrier (the job is over, or torn down)."""
     threading.Timer(0.05, os._exit, args=(code,)).start()
+
+
+# ------------------------------------------------------------------------------ leaving the group
+# A trainer client leaves on its own time: it tells the group's coordinator (the launcher, or the
+# client that started the workers) and shuts its RPC agent down locally. No group-wide shutdown
+# barrier: trainers finish seconds apart, and a barrier that times out in one of them leaves RPC
+# threads running Python while that interpreter finalizes (they abort the process).
+
+_LEFT: set[int] = set()
+_LEFT_CV = threading.Condition()
+
+
+def _client_left(client: int) -> None:
+    """Run in the coordinator: client ``client`` has left the group."""
+    with _LEFT_CV:
+        _LEFT.add(int(client))
+        _LEFT_CV.notify_all()
+
+
+def left_clients() -> set[int]:
+    """The clients that told this process (their coordinator) they left."""
+    with _LEFT_CV:
+        return set(_LEFT)
+
+
+def wait_left(clients, timeout: float) -> set[int]:
+    """Wait up to ``timeout`` seconds until every client in ``clients`` left; those that did not."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    with _LEFT_CV:
+        while not set(clients) <= _LEFT and time.monotonic() < deadline:
+            _LEFT_CV.wait(max(0.0, deadline - time.monotonic()))
+        return set(clients) - _LEFT
+
+
+def wait_clients_left(clients, timeout: float, ping_every: float = 1.0) -> list[int]:
+    """In the coordinator: wait up to ``timeout`` seconds until every client in ``clients`` left or
+    is unreachable (a dead trainer does not hold the others up); the clients still there."""
+    import time
+
+    deadline, missing = time.monotonic() + timeout, set(clients)
+    while True:
+        missing &= wait_left(missing, min(ping_every, max(0.0, deadline - time.monotonic())))
+        if not missing or time.monotonic() >= deadline:
+            return sorted(missing)
+        pings = {c: rpc.rpc_async(client_name(c), os.getpid, timeout=ping_every) for c in missing}
+        for c, f in pings.items():
+            try:
+                f.wait()
+            except BaseException:        # noqa: BLE001 - unreachable: gone without a word
+                missing.discard(c)
 
 
 # ------------------------------------------------------------------------------ calls out

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
+import logging
 import os
 import pickle
 import threading
@@ -47,6 +48,7 @@ from .procstats import process_memory
 from .transport import ActorDied, CallTimeout, Transport, check_timeout, settle
 
 __all__ = ["RpcJob", "SourceSpec", "RoleConfig", "start_roles"]
+log = logging.getLogger(__name__)
 
 RECOVERABLE = (JobReset, ActorDied, CallTimeout)
 REGISTRY = "planner-registry"
@@ -287,6 +289,7 @@ class RpcJob:
         self._recovery = cf.ThreadPoolExecutor(1, thread_name_prefix="overlord-recovery")
         self._closed = False
         self._own_transport = transport is None
+        self._launched = address is not None           # the launcher owns the roles, not client 0
         self._gen: int | None = None
         self._next = 0
         self._feedback_futs: list[cf.Future] = []
@@ -638,13 +641,21 @@ class RpcJob:
                 "roles": roles, "processes": procs, "spares": spare_pids}
 
     def close(self) -> None:
-        """Close the roles (leader; bounded by the timeout, errors ignored), then leave the group."""
+        """Leave the job. A client of a launched job or of a trainer group tells its coordinator and
+        leaves; client 0 of a job it started first waits (up to the timeout) for the other clients to
+        leave, then closes the roles (bounded, errors ignored) and stops the workers."""
         if self._closed:
             return
         self._closed = True
         self._recovery.shutdown(wait=False, cancel_futures=True)
         try:
-            if self.transport is not None and self.client == 0:
+            if self.transport is not None and hasattr(self.transport, "leave"):
+                self.transport.leave(self.timeout)
+            if self.transport is not None and self.client == 0 and not self._launched:
+                missing = self.transport.wait_for_clients(self.timeout) if hasattr(self.transport, "leave") else []
+                if missing:
+                    log.warning("closing the roles while client(s) %s have not left after %g s", missing,
+                                self.timeout)
                 try:
                     actors = self._serving()[0]
                     replaced = self._call(self.planner_name, "stats").result(self.timeout)["recoveries"]

@@ -17,7 +17,9 @@ given), and TensorPipe is restricted to its ``uv`` transport and ``basic`` chann
 Limits of torch 2.14.1's rpc that shape this class: one RPC group per process lifetime (a second
 ``init_rpc`` after ``shutdown`` hangs creating its Gloo group), so one RpcTransport per process;
 a dead peer cannot be replaced (no dynamic membership); ``shutdown(graceful=True)`` hangs on a dead
-peer, so ``stop()`` bounds it and falls back to a non-graceful shutdown.
+peer, so ``stop()`` bounds it and falls back to a non-graceful shutdown, and it is a barrier of the
+whole group, so only a group's single client uses it: where several trainers share the roles, each
+:meth:`leave` s (tells the coordinator) and shuts down locally when it is done.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -38,6 +41,7 @@ from . import _rpc_worker as W
 from .transport import ActorDied, CallTimeout, Transport, TransportClosed, check_timeout, settle
 
 __all__ = ["RpcTransport", "TransportStartupError"]
+log = logging.getLogger(__name__)
 
 _USED = threading.Lock()                  # held for the life of the process once rpc was initialised
 
@@ -123,6 +127,8 @@ def stop_rpc(graceful: bool, timeout: float) -> None:
     t = threading.Thread(target=shut, name="overlord-rpc-shutdown", daemon=True)
     t.start()
     t.join(timeout + 2)
+    if t.is_alive():
+        log.error("rpc.shutdown did not finish within %g s; RPC threads may still run", timeout + 2)
 
 
 class TransportStartupError(OverlordError, RuntimeError):
@@ -191,6 +197,33 @@ class RpcTransport(Transport):
             raise ConfigError(f"client must be in [{first}, {world - n}) to join this group, got {client!r}")
         return cls(n, clients=world - n, startup_timeout=startup_timeout, rpc_timeout=rendezvous["rpc_timeout"],
                    stop_timeout=stop_timeout, _join={"rendezvous": rendezvous, "client": client})
+
+    @property
+    def coordinator(self) -> str | None:
+        """The member that learns when clients leave: a launched job's launcher, else client 0; None
+        when this process is the group's only client."""
+        if "client_ranks" in self.rendezvous:
+            return W.client_name(len(self.rendezvous["client_ranks"]) - 1)
+        return W.client_name(0) if self.clients > 1 else None
+
+    def leave(self, timeout: float = 10.0) -> None:
+        """Tell the coordinator this client is leaving (call before :meth:`stop`; errors are logged)."""
+        import torch.distributed.rpc as rpc
+
+        coordinator = self.coordinator
+        if coordinator is None or coordinator == W.client_name(self.client) or not self._rpc_up:
+            return
+        try:
+            rpc.rpc_sync(coordinator, W._client_left, args=(self.client,), timeout=timeout)
+        except BaseException as e:           # noqa: BLE001 - the coordinator may be gone: leave anyway
+            log.warning("client %d could not tell %s it leaves: %s", self.client, coordinator, e)
+
+    def wait_for_clients(self, timeout: float) -> list[int]:
+        """Client 0 of a group it started: wait until the other clients left (or are unreachable),
+        at most ``timeout`` seconds, before the workers stop under them; the clients still there."""
+        if self.client != 0 or self.clients == 1 or "client_ranks" in self.rendezvous or not self._rpc_up:
+            return []
+        return W.wait_clients_left(range(1, self.clients), timeout)
 
     def client_rank(self, c: int) -> int:
         """RPC rank of client ``c``: client 0 is rank 0 and workers 1..n unless the rendezvous says otherwise."""
@@ -313,7 +346,8 @@ class RpcTransport(Transport):
             if self._closed:
                 return
             self._closed = True
-        self._teardown(graceful=not self._peer_died and all(p.is_alive() for p in self._procs))
+        # the shutdown barrier only when this is the group's one client: other clients leave on their own
+        self._teardown(graceful=self.clients == 1 and not self._peer_died and all(p.is_alive() for p in self._procs))
 
     def _teardown(self, graceful: bool) -> None:
         self._closed = True
