@@ -6,9 +6,12 @@ subset of one with the smallest of the other, so their differences cancel; the r
 into the heap, until one partition, the bins, remains. Merges are numpy operations on ``k``
 sums; which subset each item ends in is recovered at the end by walking the merge tree down.
 
-Starting from singletons costs ``n`` merges of ``k`` sums; above ``SINGLETON_LIMIT`` (n x k)
-and under a count cap (``equal_counts``) items start in rows of ``k`` instead, one per bin,
-which is the balanced-size variant: every bin then gets exactly one item per row.
+Starting from singletons costs ``n`` merges of ``k`` sums; above ``SINGLETON_LIMIT`` (n x k),
+above ``ROWS_ABOVE`` items per bin, and under a count cap (``equal_counts``) items start in rows of
+``k`` instead, one per bin, which is the balanced-size variant: every bin then gets exactly one
+item per row, and ``n / k`` merges do. With many items per bin the rows balance about as well (the
+largest items come first and later rows fill the gaps), at a fraction of the merges: 131,072
+samples over 8 buckets took 6.4 s from singletons.
 
 A token cap is honoured inside each merge: a pairing that would overflow a bin is repaired by
 swapping partners; when no swap fits, ``grow`` empty bins are opened in every partition.
@@ -27,6 +30,7 @@ from .problem import BinAssignment, BinProblem, register_balancer
 __all__ = ["karmarkar_karp", "SINGLETON_LIMIT"]
 
 SINGLETON_LIMIT = 1 << 20   # items x bins up to which KK starts from singletons
+ROWS_ABOVE = 32             # items per bin above which KK starts from rows of k (see module doc)
 SMALL_K = 8                 # up to this many bins, merges use Python lists (see _LIST_OPS)
 
 
@@ -70,12 +74,12 @@ def _inverse_array(order):
 
 
 # Few bins: Python lists beat numpy, whose per-call cost dominates sorting 4 or 8 numbers.
-_LIST_OPS = _Ops(vec=lambda x: np.asarray(x).tolist(), spread=lambda x: max(x) - min(x),
+_LIST_OPS = _Ops(vec=lambda x: np.asarray(x).tolist(), rows=lambda m: m.tolist(), spread=lambda x: max(x) - min(x),
                  desc=lambda x: sorted(range(len(x)), key=x.__getitem__, reverse=True),
                  asc=lambda x: sorted(range(len(x)), key=x.__getitem__),
                  take=lambda x, o: [x[i] for i in o], add=lambda x, y: [u + v for u, v in zip(x, y)],
                  pad=lambda x, m: x + [0] * m, inverse=_inverse_list)
-_NUMPY_OPS = _Ops(vec=np.asarray, spread=lambda x: x.max() - x.min(),
+_NUMPY_OPS = _Ops(vec=np.asarray, rows=list, spread=lambda x: x.max() - x.min(),
                   desc=lambda x: np.argsort(-x, kind="stable"), asc=lambda x: np.argsort(x, kind="stable"),
                   take=lambda x, o: x[np.asarray(o)], add=np.add,
                   pad=lambda x, m: np.append(x, np.zeros(m, x.dtype)), inverse=_inverse_array)
@@ -92,7 +96,7 @@ def karmarkar_karp(p: BinProblem) -> BinAssignment:
     if p.count_cap is not None and p.count_cap < math.ceil(n / k):
         raise ConfigError(f"count cap {p.count_cap} cannot hold {n} items in {k} bins")
     order = np.argsort(-p.costs, kind="stable")
-    per_row = k if (p.count_cap is not None or n * k > SINGLETON_LIMIT) else 1
+    per_row = k if (p.count_cap is not None or n * k > SINGLETON_LIMIT or n > ROWS_ABOVE * k) else 1
     rows = max(math.ceil(n / per_row), 1)
     grid = np.full((rows, k), n, np.int64)                      # n marks an empty slot
     grid[:, :per_row] = np.concatenate([order, np.full(rows * per_row - n, n)]).reshape(rows, per_row)
@@ -101,8 +105,8 @@ def karmarkar_karp(p: BinProblem) -> BinAssignment:
     # Partition 0 is the anchor: the bins themselves with their initial loads. Following the
     # anchor's slots down the merge tree tells which final slot each original bin became.
     ops = _LIST_OPS if _small(k) else _NUMPY_OPS
-    sums = [ops.vec(loads)] + [ops.vec(r) for r in cost_of[grid]]
-    toks = [ops.vec(tload)] + [ops.vec(r) for r in tok_of[grid]]
+    sums = [ops.vec(loads)] + ops.rows(cost_of[grid])
+    toks = [ops.vec(tload)] + ops.rows(tok_of[grid])
     width = [k] * (rows + 1)                 # slots each partition had when it was last touched
     heap = [(-ops.spread(s_), i) for i, s_ in enumerate(sums)]
     heapq.heapify(heap)
