@@ -1,10 +1,11 @@
-"""End-to-end throughput: the embedded ``OverlordLoader`` against a plain ``torch.utils.data.DataLoader``.
+"""End-to-end throughput: the embedded ``OverlordLoader`` against a plain ``torch.utils.data.DataLoader``
+and a ``torchdata.nodes`` pipeline mixing with ``MultiNodeWeightedSampler``.
 
 Target (issue): on the demo corpus, the loader's added overhead (planning, packing, CP splitting,
-bookkeeping) is at most 5% of the transform time it runs. Both sides do the same work: they read
+bookkeeping) is at most 5% of the transform time it runs. All sides do the same work: they read
 the four sources' Parquet files with ``ParquetSource`` (pyarrow) and apply the same sample
 transforms (``Tokenize`` for web/code/long, ``ImageText`` for caps) with the same constant mixture,
-and both are measured over the same number of samples (``steps x global_batch``) after a warm-up.
+and all are measured over the same number of samples (``steps x global_batch``) after a warm-up.
 
 * baseline: an ``IterableDataset`` that, in each worker process, opens every source (the files
   sharded over the workers) and mixes them by smooth weighted round-robin with the same weights;
@@ -12,14 +13,25 @@ and both are measured over the same number of samples (``steps x global_batch``)
   same picks: interleaved sample by sample (what a weighted sampler does) and grouped by source
   within each batch (the order a Source Loader transforms in: switching tokenizer and decoder at
   every sample costs transform time, so the two orders bracket the baseline).
+* torchdata.nodes baseline (``torchdata_nodes``): per source an ``IterableWrapper`` over the
+  ``ParquetSource``'s untransformed rows (every file, as the library reads them), mixed by
+  ``MultiNodeWeightedSampler`` with the same weights (``torch.multinomial`` picks: the same mixture
+  in expectation, not the same samples), then ``ParallelMapper(transform, num_workers=W,
+  method="process", multiprocessing_context="fork", prebatch=global_batch // W)`` ->
+  ``Batcher(global_batch)`` -> ``Loader``. Process mode works: W forked worker processes run the transforms, the main process
+  reads and mixes in the mapper's reader thread and unpickles the results (W+1 processes, as for the
+  DataLoader). ``prebatch`` sends a worker ``global_batch // W`` rows per task, the DataLoader's
+  per-worker batch; ``--nodes-prebatch 0`` gives one row per task, the mapper's default, which paid
+  for the per-row IPC with about half the samples/s here. Its threads and processes are stopped in a
+  ``finally`` (reader and sort threads first, then the workers, terminated if they do not exit).
 * this library: ``OverlordLoader(rank=None, workers=W, runtime="local")`` on a ``dp=4, cp=2`` mesh
   with a Karmarkar-Karp attention-FLOPs balance, every rank's output consumed. ``workers=W`` gives
   each Source Loader its own W-thread pool; the embedded runtime fills the sources one after
   another, so at most W transforms run at once, as with W DataLoader worker processes. They are
   threads in one process, not processes: transforms that hold the GIL do not run in parallel
   there (the ``thread_scaling`` probe measures this per source).
-* serial runs of both sides (``num_workers=0`` / ``workers=0``) compare the two on one thread, free
-  of the thread-vs-process difference.
+* serial runs of the DataLoader and the library (``num_workers=0`` / ``workers=0``) compare the two
+  on one thread, free of the thread-vs-process difference.
 * overhead: a serial pass of the library (``workers=0``, everything in the prefetch thread, the
   same seed, so the same samples) with the transforms, the Parquet reads and the roles' methods
   wrapped in timers. Over the measured steps, overhead = wall time - time inside the transforms -
@@ -247,6 +259,147 @@ def run_baseline(corpus, workers: int, global_batch: int, warmup: int, steps: in
 
 
 # ------------------------------------------------------------------------------------------------
+# baseline: a torchdata.nodes pipeline mixing the sources with MultiNodeWeightedSampler
+# ------------------------------------------------------------------------------------------------
+
+class _RawRows:
+    """One source's rows before the transform, forever: ``(source name, row, read seconds)``. Read in the
+    ``ParallelMapper``'s reader thread; the read time travels with the row."""
+
+    def __init__(self, src):
+        self.src = src
+
+    def __iter__(self):
+        src, name, clock = self.src, self.src.name, time.perf_counter
+        while True:
+            t0 = clock()
+            _, row, _ = src.next_raw()
+            yield name, row, clock() - t0
+
+
+class _TransformByName:
+    """The ``ParallelMapper``'s ``map_fn``, run in its worker processes: the source's transform on the
+    row, returning ``(source name, record, transform seconds, read seconds)``."""
+
+    def __init__(self, transforms: dict):
+        self.transforms = transforms
+
+    def __call__(self, item):
+        name, row, t_read = item
+        t0 = time.perf_counter()
+        rec = self.transforms[name](row)
+        return name, rec, time.perf_counter() - t0, t_read
+
+
+def _stop_nodes(mapper, started: set) -> None:
+    """Stop a ``ParallelMapper``'s reader and sort threads, then its worker processes. The threads go
+    first: a worker that exits while the sort thread is still unpickling one of its tensors (shared by
+    file descriptor, fetched from that worker) makes the sort thread raise. Then the mapper's own
+    shutdown, and any worker process still alive (one blocked flushing its results into a full pipe
+    would hang at exit) is terminated; rows left in the input queue are drained, so this process's
+    feeder thread ends, and the queues closed."""
+    from torchdata.nodes.map import _ParallelMapperImpl
+
+    impl = getattr(mapper, "_it", None)
+    if not isinstance(impl, _ParallelMapperImpl):          # prebatch: Unbatcher(_ParallelMapperImpl)
+        impl = getattr(impl, "source", None)
+    it = getattr(impl, "_it", None)                         # the _ParallelMapperIter of the last reset()
+    if hasattr(it, "_stop"):
+        it._stop.set()
+        for th in (getattr(it, "_read_thread", None), getattr(it, "_sort_thread", None)):
+            if th is not None and th.is_alive():
+                th.join(timeout=10.0)
+    if hasattr(it, "_shutdown"):
+        it._shutdown()                                      # sets the workers' stop event, joins briefly
+    procs = [p for p in torch.multiprocessing.active_children() if p.pid not in started]
+    for p in procs:
+        p.join(timeout=2.0)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if hasattr(it, "_workers"):
+        # stopped: empty the list, or this iterator's __del__ (run by the garbage collector, possibly in a
+        # process forked later, where is_alive() on another process's child raises) would inspect them again
+        it._workers = []
+    for q in (getattr(it, "_in_q", None), getattr(it, "_intermed_q", None)):
+        if not hasattr(q, "cancel_join_thread"):
+            continue
+        if q is it._in_q:              # rows no worker took: drain them so this process's feeder thread can finish
+            try:
+                while True:
+                    q.get(timeout=0.05)
+            except Exception:  # noqa: BLE001 (queue.Empty, or a pipe already closed)
+                pass
+        q.close()
+        feeder = getattr(q, "_thread", None)
+        if feeder is not None:
+            feeder.join(timeout=5.0)
+        q.cancel_join_thread()
+
+
+def run_nodes(corpus, workers: int, global_batch: int, warmup: int, steps: int, seed: int,
+              prebatch: int | None) -> dict:
+    """``IterableWrapper`` per source over ``ParquetSource.next_raw`` (every file, as the library reads)
+    -> ``MultiNodeWeightedSampler(WEIGHTS)`` -> ``ParallelMapper(transform, num_workers=W,
+    method="process", fork, prebatch)`` -> ``Batcher(global_batch)`` -> ``Loader``. ``prebatch``: rows
+    per task sent to a worker process (None: one row per task, the mapper's default)."""
+    import torchdata.nodes as tn
+
+    started = {p.pid for p in torch.multiprocessing.active_children()}
+    transforms = {name: corpus.transform(name) for name in WEIGHTS}
+    sources, mapper = {}, None
+    n = tokens = 0
+    t_transform = t_read = 0.0
+    picks = dict.fromkeys(WEIGHTS, 0)
+    first = None
+    try:
+        for name in WEIGHTS:
+            sources[name] = ol.ParquetSource(name, corpus.sources[name], None, columns=transforms[name].columns,
+                                             seed=seed)
+        per_source = {name: tn.IterableWrapper(_RawRows(src)) for name, src in sources.items()}
+        mixed = tn.MultiNodeWeightedSampler(per_source, dict(WEIGHTS), stop_criteria=tn.StopCriteria.CYCLE_FOREVER,
+                                            rank=0, world_size=1, seed=seed)
+        mapper = tn.ParallelMapper(mixed, _TransformByName(transforms), num_workers=workers, in_order=True,
+                                   method="process", multiprocessing_context="fork", prebatch=prebatch)
+        loader = tn.Loader(tn.Batcher(mapper, batch_size=global_batch, drop_last=True))
+        t_start = time.perf_counter()
+        it = iter(loader)              # starts the reader thread, the W worker processes and the sort thread
+        while n < warmup * global_batch:
+            n += len(next(it))
+            first = first or time.perf_counter() - t_start
+        n0, t0 = n, time.perf_counter()
+        while n - n0 < steps * global_batch:
+            batch = next(it)
+            n += len(batch)
+            for name, rec, tt, tr in batch:
+                tokens += backbone_tokens(rec)
+                t_transform += tt
+                t_read += tr
+                picks[name] += 1
+        elapsed = time.perf_counter() - t0
+    finally:
+        _stop_nodes(mapper, started)
+        for src in sources.values():
+            src.close()
+    samples = n - n0
+    return {"side": "torchdata.nodes", "workers": workers,
+            "worker_kind": f"processes (ParallelMapper method='process', fork): {workers} transform processes; "
+                           f"the main process reads and mixes in the mapper's reader thread",
+            "pipeline": "IterableWrapper(ParquetSource rows) per source -> MultiNodeWeightedSampler -> "
+                        f"ParallelMapper(transform, method='process', prebatch={prebatch}) -> "
+                        f"Batcher({global_batch}) -> Loader", "prebatch": prebatch,
+            "order": "interleaved sample by sample (torch.multinomial picks)", "batch_size": global_batch,
+            "samples": samples, "tokens": tokens, "seconds": elapsed,
+            "samples_per_s": samples / elapsed, "tokens_per_s": tokens / elapsed, "startup_s": first,
+            "transform_s": t_transform, "read_s": t_read,
+            "transform_ms_per_sample": 1e3 * t_transform / samples,
+            "mixture": {k: v / samples for k, v in picks.items()}}
+
+
+# ------------------------------------------------------------------------------------------------
 # this library
 # ------------------------------------------------------------------------------------------------
 
@@ -427,6 +580,7 @@ RUNS = {   # key: (label, side, serial?, baseline grouped?)
     "overlord_serial": ("OverlordLoader, workers=0", "OverlordLoader", True, None),
     "dataloader": ("DataLoader, W processes, interleaved", "DataLoader", False, False),
     "dataloader_grouped": ("DataLoader, W processes, grouped", "DataLoader", False, True),
+    "torchdata_nodes": ("torchdata.nodes MultiNodeWeightedSampler, W processes", "nodes", False, None),
     "overlord": ("OverlordLoader, W threads/source", "OverlordLoader", False, None),
 }
 
@@ -456,6 +610,9 @@ def main(argv=None) -> int:
                     "(default 3; 1 with --quick)")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads in this process "
                     "(DataLoader workers always use 1)")
+    ap.add_argument("--nodes-prebatch", type=int, default=None, help="rows per task the torchdata.nodes "
+                    "ParallelMapper sends a worker process (default global_batch // W, the DataLoader's per-worker "
+                    "batch; 0: one row per task, the mapper's default)")
     ap.add_argument("--method", default="karmarkar_karp", choices=["karmarkar_karp", "greedy"], help="balancing method")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="always run the cProfile pass (else only if the target is missed)")
@@ -463,6 +620,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.workers < 1:
         ap.error("--workers must be >= 1 (the serial runs are always made)")
+    if args.nodes_prebatch is not None and args.nodes_prebatch < 0:
+        ap.error("--nodes-prebatch must be >= 0")
     scale = args.scale or ("test" if args.quick else "demo")
     gb = args.global_batch or (32 if args.quick else 128)
     steps = args.steps or (4 if args.quick else 40)
@@ -472,6 +631,7 @@ def main(argv=None) -> int:
                          default_corpus_root().parent / f"demo-corpus-{scale}")
     torch.set_num_threads(args.torch_threads)
     W = args.workers
+    prebatch = max(1, gb // W) if args.nodes_prebatch is None else (args.nodes_prebatch or None)
 
     t_all = time.perf_counter()
     load_start = round(os.getloadavg()[0], 2)      # other jobs on the machine skew the W-worker runs most
@@ -507,6 +667,8 @@ def main(argv=None) -> int:
             w = 0 if serial else W
             if side == "DataLoader":
                 r = attempt(key, run_baseline, corpus, w, gb, warmup, steps, args.seed, grouped)
+            elif side == "nodes":
+                r = attempt(key, run_nodes, corpus, w, gb, warmup, steps, args.seed, prebatch)
             else:
                 r = attempt(key, run_library, corpus, w, gb, warmup, steps, args.seed, serial, args.method)
             if r is not None:
@@ -516,11 +678,11 @@ def main(argv=None) -> int:
     probe = attempt("thread_scaling", thread_scaling, corpus, W, 16 if args.quick else 64, args.seed)
 
     print()
-    print(f"{'run':>40} {'samples/s':>10} {'tokens/s':>11} {'transform ms/sample':>19} {'startup s':>9}")
+    print(f"{'run':>54} {'samples/s':>10} {'tokens/s':>11} {'transform ms/sample':>19} {'startup s':>9}")
     for key, (label, *_rest) in RUNS.items():
         r = runs.get(key)
         if r:
-            print(f"{label.replace('W ', f'{W} '):>40} {r['samples_per_s']:>10.1f} {r['tokens_per_s']:>11.0f} "
+            print(f"{label.replace('W ', f'{W} '):>54} {r['samples_per_s']:>10.1f} {r['tokens_per_s']:>11.0f} "
                   f"{r.get('transform_ms_per_sample', float('nan')):>19.3f} {r['startup_s']:>9.2f}")
     verdict = {}
     ser = runs.get("overlord_serial")
@@ -543,7 +705,8 @@ def main(argv=None) -> int:
         if par:
             verdict["parallel_non_fill_fraction"] = par["producer"]["non_fill_s"] / ph["transform"]
         for a, b in (("dataloader_serial", "overlord_serial"), ("dataloader_serial_grouped", "overlord_serial"),
-                     ("dataloader", "overlord"), ("dataloader_grouped", "overlord")):
+                     ("dataloader", "overlord"), ("dataloader_grouped", "overlord"),
+                     ("torchdata_nodes", "overlord")):
             if a in runs and b in runs:
                 verdict[f"ratio_{b}_over_{a}"] = runs[b]["samples_per_s"] / runs[a]["samples_per_s"]
         print(f"overhead (wall - transform - read) = {ser['overhead_s']:.3f} s = {100 * frac:.2f}% of the transform "
@@ -582,7 +745,7 @@ def main(argv=None) -> int:
     out = {"benchmark": "e2e_throughput", "quick": args.quick, "scale": scale, "target": TARGET,
            "config": {"weights": WEIGHTS, "global_batch": gb, "steps": steps, "warmup": warmup, "repeats": repeats,
                       "workers": W, "mesh": MESH, "microbatches": MICROBATCHES, "max_tokens": MAX_TOKENS,
-                      "seed": args.seed, "seq_len": None, "image_placeholders": True, "gc_freeze_after_imports": True, "corpus_root": str(corpus.root),
+                      "nodes_prebatch": prebatch, "seed": args.seed, "seq_len": None, "image_placeholders": True, "gc_freeze_after_imports": True, "corpus_root": str(corpus.root),
                       "strategy": "mix(constant) -> distribute(DP) -> cost(attention_flops) -> "
                                   f"balance({args.method}, oversize=split)", "method": args.method},
            "labels": {k: v[0].replace("W ", f"{W} ") for k, v in RUNS.items()},
@@ -593,6 +756,15 @@ def main(argv=None) -> int:
                             f"at most W transforms run at once, as threads of one process (transforms that hold "
                             f"the GIL, e.g. sentencepiece encoding, do not overlap), and planning, packing and "
                             f"bookkeeping run serially in the prefetch thread between fills."),
+           "nodes_note": (f"torchdata.nodes: one IterableWrapper per source over ParquetSource rows (every file, "
+                          f"as the library reads them), MultiNodeWeightedSampler with the same weights (torch."
+                          f"multinomial picks, so the same mixture in expectation, not the same samples), "
+                          f"ParallelMapper(method='process', fork, num_workers=W={W}, in_order=True, prebatch="
+                          f"{prebatch}) applying the same transforms, Batcher(global_batch), Loader. W worker "
+                          f"processes transform; the main process reads and mixes in the mapper's reader thread "
+                          f"and unpickles the results, so W+1 processes as for the DataLoader. prebatch "
+                          f"{prebatch} rows per task (global_batch/W: the DataLoader's per-worker batch); "
+                          f"--nodes-prebatch 0 sends one row per task, the mapper's default."),
            "runs": runs, "thread_scaling": probe, "errors": errors, "verdict": verdict, "profile": profile}
     write_results(args.out, out, started=t_all, load_start=load_start)
     return 1 if errors else 0

@@ -59,8 +59,10 @@ def e2e_throughput_table(data: dict) -> list[str]:
     runs, labels = data["runs"], data.get("labels", {})
     pct = 100 * data["target"]["overhead_fraction"]
     lines = [f"**End-to-end throughput** (`python benchmarks/e2e_throughput.py`, {data['date']}, {m['cores']} cores, "
-             f"{m['memory_gib']} GiB): the embedded `OverlordLoader` against a plain `DataLoader` doing the same "
-             f"Parquet reading and transforms on the {data['scale']} corpus; global batch {c['global_batch']}, "
+             f"{m['memory_gib']} GiB): the embedded `OverlordLoader` against a plain `DataLoader`"
+             + (" and a `torchdata.nodes` pipeline (`MultiNodeWeightedSampler`)" if "torchdata_nodes" in runs else "")
+             + f" doing the same Parquet reading and transforms on the {data['scale']} corpus; global batch "
+             f"{c['global_batch']}, "
              f"{c['steps']} steps after {c['warmup']} warm-up, median of {c['repeats']}; mesh "
              f"{', '.join(f'{k}={n}' for k, n in c['mesh'].items())}, {c['method']}, W={c['workers']}; target: the "
              f"loader's own work <= {pct:.0f}% of the transform time.", "",
@@ -80,7 +82,21 @@ def e2e_throughput_table(data: dict) -> list[str]:
         if "dataloader_serial_other_fraction" in v:
             lines.append(f"- the DataLoader's own time in its serial run: "
                          f"{100 * v['dataloader_serial_other_fraction']:.1f}% of its transform time.")
-    lines += ["", "W counts DataLoader worker processes against OverlordLoader transform threads per source (the "
+    nodes = runs.get("torchdata_nodes")
+    if nodes:
+        ratio = v.get("ratio_overlord_over_torchdata_nodes")
+        if lines[-1].startswith("|"):
+            lines.append("")
+        lines.append(f"- `torchdata.nodes`: an `IterableWrapper` per source over the same `ParquetSource` rows, "
+                     f"`MultiNodeWeightedSampler` with the same weights, `ParallelMapper(method=\"process\", "
+                     f"num_workers={nodes['workers']}, prebatch={nodes.get('prebatch')})` running the transforms, "
+                     f"`Batcher`, `Loader`"
+                     + (f"; `OverlordLoader` ({c['workers']} threads/source) reaches {ratio:.2f}x its samples/s."
+                        if ratio else "."))
+    lines += ["", "W counts DataLoader worker processes"
+                  + (" and `torchdata.nodes` transform processes (its main process reads and mixes)"
+                     if nodes else "")
+                  + " against OverlordLoader transform threads per source (the "
                   "embedded runtime fills one source at a time, so at most W transforms run at once, as threads "
                   "of one process); its planning and packing run between fills, not beside them."
                   + (f" The machine's 1-minute load average went from {m['load_avg_1m_at_start']} to "

@@ -1,9 +1,12 @@
-"""Smoke run of the end-to-end throughput benchmark: it runs both sides and writes a complete JSON."""
+"""Smoke run of the end-to-end throughput benchmark: it runs every side (DataLoader, torchdata.nodes,
+OverlordLoader) and writes a complete JSON."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,10 +21,18 @@ def test_e2e_throughput_quick_writes_both_sides_and_the_overhead(tmp_path):
     assert data["benchmark"] == "e2e_throughput" and data["quick"] and data["scale"] == "test"
     assert not data["errors"]
     runs = data["runs"]
-    for key in ("dataloader_serial", "dataloader", "overlord_serial", "overlord"):
+    for key in ("dataloader_serial", "dataloader", "torchdata_nodes", "overlord_serial", "overlord"):
         assert runs[key]["samples_per_s"] > 0 and runs[key]["tokens_per_s"] > 0, key
         assert runs[key]["samples"] == data["config"]["steps"] * data["config"]["global_batch"], key
     assert runs["dataloader"]["workers"] == runs["overlord"]["workers"] == data["config"]["workers"] >= 1
+    nodes = runs["torchdata_nodes"]
+    assert nodes["side"] == "torchdata.nodes" and nodes["workers"] == data["config"]["workers"]
+    assert nodes["worker_kind"].startswith("processes")
+    assert nodes["transform_s"] > 0 and set(nodes["mixture"]) == set(data["config"]["weights"])
+    assert abs(sum(nodes["mixture"].values()) - 1) < 1e-9
+    assert data["verdict"]["ratio_overlord_over_torchdata_nodes"] == pytest.approx(
+        runs["overlord"]["samples_per_s"] / nodes["samples_per_s"])
+    assert "torchdata.nodes" in proc.stdout
     assert runs["overlord"]["samples_per_step_ok"] and runs["overlord_serial"]["samples_per_step_ok"]
     ser = runs["overlord_serial"]
     assert ser["phases_s"]["transform"] > 0 and ser["transformed_samples"] > 0
