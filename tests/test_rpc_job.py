@@ -149,6 +149,24 @@ def test_rpc_job_logic_in_process(corpus, reference):
         transport.stop()
 
 
+def test_start_up_fills_every_loader_and_stats_survive_a_dead_role(corpus):
+    """The roles' start fills each loader's first buffer (under the start-up timeout, not the call
+    timeout); ``stats()`` names a role that cannot answer instead of raising."""
+    transport = InProcessTransport()
+    try:
+        job = RpcJob(make_sources(corpus), vlm_strategy, make_mesh(), transport=transport, **job_kwargs(corpus))
+        st = job.stats()
+        assert st["unanswered"] == {}
+        assert {n: s["buffered"] for n, s in st["sources"].items()} == job_kwargs(corpus)["buffer_size"]
+        transport.kill("constructor:0")
+        st = job.stats()
+        assert list(st["unanswered"]) == ["constructor:0"] and "ActorDied" in st["unanswered"]["constructor:0"]
+        assert "error" in st["constructors"]["constructor:0"] and "constructor:0" not in st["roles"]
+        assert st["sources"]["web"]["buffered"] == 24 and "error" not in st["planner"]
+    finally:
+        transport.stop()
+
+
 # ------------------------------------------------------------------------------ RPC (subprocess)
 
 SCRIPT = """

@@ -67,11 +67,15 @@ def print_roles(stats: dict) -> None:
         for role, pid in stats["roles"].items():
             m = procs.get(pid) or procs.get(str(pid)) or {}
             print(f"  {role:>16}: pid {pid}, RSS {m.get('rss_mib')} MiB, PSS {m.get('pss_mib')} MiB")
-    if "planner" in stats:
+    for role, err in stats.get("unanswered", {}).items():
+        print(f"  {role:>16}: no answer ({err})")
+    if "planner" in stats and "error" not in stats["planner"]:
         p = stats["planner"]
         print(f"  planner: next step {p['next_step']}, steps held {p['steps_held']}, waiting requests "
               f"{p['waiting_requests']}")
         for name, c in stats["constructors"].items():
+            if "error" in c:
+                continue
             print(f"  {name}: steps held {c['steps_held']}, built {c['steps_built']}, waiting fetches "
                   f"{c['waiting_fetches']}")
 
@@ -195,6 +199,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"trainer waited for data: p50 {fw['p50_ms']} ms, p99 {fw['p99_ms']} ms per step (no model runs here, so "
           f"this is the loader's own pace)")
     for name, st in stats["sources"].items():
+        if "error" in st:
+            print(f"  {name:>4}: no answer ({st['error']})")
+            continue
         print(f"  {name:>4}: served {st['served']:>6}, epochs started {st['epochs_started']}, "
               f"buffer {st['buffered']} samples / {st['buffer_bytes'] / 2**20:.1f} MiB, skipped {st['skipped']}")
     print_roles(stats)

@@ -159,7 +159,7 @@ class Launcher:
 
         rv, clients = layout["rendezvous"], self.cfg.clients
         transport = RpcTransport.join(rv, clients, startup_timeout=self.a.join_timeout, stop_timeout=5.0)
-        start_roles(transport, self.cfg, self.n_workers)
+        start_roles(transport, self.cfg, self.n_workers, warm_timeout=self.a.join_timeout)
         print(f"torchdata_overlord.launch: roles started on {self.n_workers} workers; trainers connect with "
               f"address='{self.a.master_addr}:{self.a.master_port}'", flush=True)
         transport._rpc_up = False            # this method owns the shutdown (no group barrier)

@@ -116,6 +116,12 @@ class LoaderActor(_Role):
         if gen < self.gen:
             raise JobReset(f"loader {self.name!r}: a call of generation {gen}, the job is at {self.gen}")
 
+    def warm(self) -> int:
+        """Open the source and fill the first buffer (at start-up, under the start-up timeout, so the
+        first step's calls are not mistaken for a frozen loader); returns the samples buffered."""
+        self.loader.fill()
+        return self.loader.stats()["buffered"]
+
     def metadata(self):
         return self.loader.metadata()
 

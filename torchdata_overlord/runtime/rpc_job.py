@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Mapping
 from ..errors import ConfigError
 from ..plane.place_tree import ClientPlaceTree
 from ..sources.parquet import ParquetSource
-from .actors import (PLANNER, ConstructorActor, JobReset, LoaderActor, constructor_actor, gather, loader_actor,
+from .actors import (PLANNER, ConstructorActor, JobReset, LoaderActor, constructor_actor, loader_actor,
                      role_names, shadow_actor)
 from .checkpoint_store import CheckpointStore
 from .planner_actor import FaultPolicy, PlannerActor, RoleLost
@@ -212,10 +212,13 @@ class RoleConfig:
                 "constructors": self.constructors, "clients": self.clients}
 
 
-def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1, spares: list | None = None) -> None:
+def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1, spares: list | None = None,
+                warm_timeout: float | None = None) -> None:
     """Start every role of ``cfg`` on ``transport`` (placed by :meth:`RoleConfig.placement` when the
     transport places actors), each knowing where the others are; ``spares`` (RPC worker names) is
-    where the Planner starts replacements."""
+    where the Planner starts replacements. With ``warm_timeout``, every Source Loader then opens its
+    source and fills its first buffer within that many seconds: the slow first fill happens under
+    the start-up timeout, not the per-call one, and a source that cannot be read fails here."""
     if cfg.strategy is None or any(s.paths is None for s in cfg.specs):
         raise ConfigError("starting the roles needs the strategy and every source (not just its name)")
     where = cfg.placement(n_workers)
@@ -236,6 +239,16 @@ def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1, spare
             start(shadow_actor(spec.name), LoaderActor, *cfg.loader_args(spec), peers, store, cfg.snapshot_every)
     for c in range(cfg.constructors):
         start(constructor_actor(c), ConstructorActor, c, *policy.constructor_args, store)
+    if warm_timeout is not None:
+        warm = {n: transport.call(loader_actor(n), "warm", timeout=warm_timeout) for n in cfg.names}
+        cf.wait(list(warm.values()), timeout=warm_timeout + 5)
+        for n, fut in warm.items():
+            try:
+                fut.result(timeout=1)
+            except (ActorDied, CallTimeout, cf.TimeoutError) as e:
+                from .rpc_transport import TransportStartupError
+                raise TransportStartupError(f"source {n!r}: its Source Loader did not fill its first buffer within "
+                                            f"the start-up timeout of {warm_timeout:g} s ({e})") from e
 
 
 class RpcJob:
@@ -301,7 +314,7 @@ class RpcJob:
             if transport is not None:
                 self.client = 0
                 self.transport = transport
-                start_roles(transport, cfg, getattr(transport, "n_workers", 1), self._spare_names())
+                start_roles(transport, cfg, getattr(transport, "n_workers", 1), self._spare_names(), startup_timeout)
             elif group is not None:
                 self._start_in_group(startup_timeout, stop_timeout)
             elif address is not None:
@@ -313,7 +326,7 @@ class RpcJob:
                 self.client = 0
                 self.transport = RpcTransport(n_workers + spares, startup_timeout=startup_timeout, rpc_timeout=self.timeout,
                                               stop_timeout=stop_timeout)
-                start_roles(self.transport, cfg, n_workers, self._spare_names())
+                start_roles(self.transport, cfg, n_workers, self._spare_names(), startup_timeout)
         except BaseException:
             self.close()
             raise
@@ -349,7 +362,7 @@ class RpcJob:
                 if not sent:            # the others wait in the broadcast: tell them why nothing comes
                     dist.broadcast_object_list([{"error": f"{type(e).__name__}: {e}"}], src=src, group=pg)
                 raise
-            start_roles(self.transport, self.cfg, self.n_workers, self._spare_names())
+            start_roles(self.transport, self.cfg, self.n_workers, self._spare_names(), startup_timeout)
             self._host_registry()
         else:
             box = [None]
@@ -625,20 +638,31 @@ class RpcJob:
 
     def stats(self) -> dict:
         """Per-source loader stats, Planner and constructor queue depths, recoveries, each role's process
-        and memory, and this client's failures and reissued requests."""
+        and memory, and this client's failures and reissued requests. A role that does not answer within
+        the call timeout (busy with a long fill, or failed) is listed in ``"unanswered"`` and its entry is
+        ``{"error": ...}``: diagnostics never stop the training loop."""
         actors, info = self._serving()
-        got = gather({("stats", a): self._call(a, "stats") for a in actors} |
-                     {("process", a): self._call(a, "process") for a in actors}, self.timeout)
-        roles = {a: got["process", a]["pid"] for a in actors}
+        futs = {(kind, a): self._call(a, kind) for kind in ("stats", "process") for a in actors}
+        cf.wait(list(futs.values()), timeout=self.timeout + 5)
+        got, unanswered = {}, {}
+        for (kind, a), fut in futs.items():
+            try:
+                got[kind, a] = fut.result(timeout=0)
+            except (ActorDied, CallTimeout, cf.TimeoutError) as e:   # a busy or failed role: said, not raised
+                unanswered[a] = f"{type(e).__name__}: {e}"
+
+        def of(a):
+            return got.get(("stats", a)) or {"error": unanswered.get(a, "no answer")}
+
+        roles = {a: got["process", a]["pid"] for a in actors if ("process", a) in got}
         procs = {m["pid"]: m for (kind, _), m in got.items() if kind == "process"}
         procs[os.getpid()] = process_memory()
         pids = getattr(self.transport, "worker_pids", [])
         spare_pids = pids[self.n_workers:] if self.client == 0 and self.spares else []
-        return {"sources": {n: got["stats", a] for n, a in info["loaders"].items()},
-                "planner": got["stats", self.planner_name],
+        return {"sources": {n: of(a) for n, a in info["loaders"].items()}, "planner": of(self.planner_name),
                 "client": {"client": self.client, "fetches": self.fetches, "faults": copy.deepcopy(self.faults)},
-                "constructors": {a: got["stats", a] for a in info["constructors"]},
-                "roles": roles, "processes": procs, "spares": spare_pids}
+                "constructors": {a: of(a) for a in info["constructors"]},
+                "roles": roles, "processes": procs, "spares": spare_pids, "unanswered": unanswered}
 
     def close(self) -> None:
         """Leave the job. A client of a launched job or of a trainer group tells its coordinator and
