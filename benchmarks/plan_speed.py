@@ -53,9 +53,27 @@ def time_plan(method: str, samples: int, buckets: int, microbatches: int, repeat
         plan = planner.plan(bufs)
         times.append(time.perf_counter() - t0)
         loaders.consume(plan)
-    return {"method": method, "samples": samples, "buckets": buckets, "microbatches": microbatches,
-            "seconds_median": statistics.median(times), "seconds_min": min(times), "repeats": repeats,
-            "max_over_mean": plan.stats["max_over_mean"], "lockstep_over_bound": plan.stats["lockstep_over_bound"]}
+    out = {"method": method, "samples": samples, "buckets": buckets, "microbatches": microbatches,
+           "seconds_median": statistics.median(times), "seconds_min": min(times), "repeats": repeats,
+           "max_over_mean": plan.stats["max_over_mean"], "lockstep_over_bound": plan.stats["lockstep_over_bound"]}
+    if samples == TARGET["samples"] and out["seconds_median"] > TARGET["seconds"]:   # short: where does the time go?
+        out["profile"] = profile_top(lambda: planner.plan(loaders.buffers()))
+    return out
+
+
+def profile_top(fn, top: int = 6) -> list[dict]:
+    """cProfile one call of ``fn``: the ``top`` functions by own time (cProfile inflates per-call
+    costs, so compare shares, not seconds)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    st = pstats.Stats(prof)
+    total = sum(v[2] for v in st.stats.values()) or 1.0
+    rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [{"function": pstats.func_std_string(f).replace(str(Path(__file__).resolve().parent.parent) + "/", ""),
+             "calls": v[1], "own_s": round(v[2], 4), "own_share": round(v[2] / total, 3)} for f, v in rows]
 
 
 def main(argv=None) -> int:

@@ -45,12 +45,10 @@ def plan_speed_table(data: dict) -> list[str]:
         for b in sorted({r["buckets"] for r in brows}):
             lines.append(f"| {b:,} | {byb[('greedy', b)]['seconds_median']:.3f} | "
                          f"{byb[('karmarkar_karp', b)]['seconds_median']:.3f} |")
-        slow = [r for r in brows if r["seconds_median"] > t["seconds"]]
-        if slow:
-            lines += ["", "- Short of the target: " + ", ".join(
-                f"{r['method']} at {r['buckets']} buckets ({r['seconds_median']:.2f} s)" for r in slow)
-                + ". With few buckets each holds thousands of samples, and the split of a bucket into microbatches "
-                  "runs the method on Python lists per bucket (the vectorised path serves many small buckets)."]
+    for r in [r for r in data["rows"] + brows if r["samples"] == t["samples"] and r["seconds_median"] > t["seconds"]]:
+        where = "; ".join(f"{p['function']} {100 * p['own_share']:.0f}%" for p in r.get("profile", [])[:4])
+        lines += ["", f"- Above {t['seconds']} s: {r['method']}, {r['samples']:,} samples over {r['buckets']:,} buckets "
+                      f"({r['seconds_median']:.2f} s)" + (f"; own time by function (cProfile): {where}" if where else ".")]
     return lines
 
 
@@ -79,6 +77,13 @@ def e2e_throughput_table(data: dict) -> list[str]:
         lines += ["", f"- overhead (serial pass, wall - transform - Parquet read): "
                       f"{100 * v['overhead_fraction']:.1f}% of the transform time, {v['overhead_ms_per_step']:.1f} ms "
                       f"per step ({'meets' if v['meets_target'] else 'misses'} the <= {pct:.0f}% target): {parts}."]
+        prof = (data.get("profile") or {}).get("top_tottime") or []
+        if prof and not v["meets_target"]:
+            wall = data["profile"]["profiled_wall_s"] or 1.0
+            lines.append(f"- where the loader's own time goes (cProfile of {data['profile']['steps']} serial steps with "
+                         f"the buffers filled beforehand, so no reading or transforms; own time as a share of the "
+                         f"profiled {wall:.2f} s): " + ", ".join(f"`{p['function']}` {100 * p['tottime_s'] / wall:.0f}%"
+                                                                for p in prof[:6]) + ".")
         if "dataloader_serial_other_fraction" in v:
             lines.append(f"- the DataLoader's own time in its serial run: "
                          f"{100 * v['dataloader_serial_other_fraction']:.1f}% of its transform time.")
