@@ -227,8 +227,71 @@ def mixing_table(data: dict) -> list[str]:
     return lines
 
 
+def memory_table(data: dict) -> list[str]:
+    m, c = data["machine"], data["config"]
+    plane, client = data["library_fit"]["plane"]["steady"], data["library_fit"]["client"]["steady"]
+    worst = max(abs(r["mib"]) for r in plane["residuals"])
+    lines = [f"**Memory** (`python benchmarks/memory.py`, {data['date']}, {m['cores']} cores, {m['memory_gib']} GiB): "
+             f"a `DataLoader` per trainer rank (W workers, each opening all S sources) against `OverlordLoader("
+             f"runtime=\"rpc\")` (the Planner, a Source Loader per source and a Data Constructor per DP group, one "
+             f"process each), the same Parquet reading (row groups of {c['rows_per_row_group']} rows, ~"
+             f"{c['row_group_kib']} KiB) and tokenizing. Sum of anonymous PSS (`Pss_Anon + Pss_Shmem`, smaps_rollup) "
+             f"over every process, the trainer's own imports excluded; shared-library pages left out (every rank maps "
+             f"them either way). *colocated*: one rank measured, times D x CP x PP ranks; *library*: the roles "
+             f"measured at S in {c['library_sources']} (else extrapolated from per-unit costs), plus one client per "
+             f"rank. "
+             f"Peaks add per-unit peaks (an upper bound). Plot: `benchmarks/results/memory.png`.", "",
+             "| S | D x W | CP x PP | colocated peak / steady (MiB) | library peak / steady (MiB) | ratio (steady) | "
+             "how |", "|---:|---|---|---:|---:|---:|---|"]
+    for r in data["rows"]:
+        col, lib = r["colocated_mib"], r["library_mib"]
+        lines.append(f"| {r['sources']} | {r['dp']} x {r['workers']} | {r['cp']} x {r['pp']} | {col['peak']:,.0f} / "
+                     f"{col['steady']:,.0f} | {lib['peak']:,.0f} / {lib['steady']:,.0f} | "
+                     f"{r['ratio']['steady']:.2f}x | derived x{r['ranks']} ranks; roles {r['library_roles']} |")
+    lines.append("")
+    for x in data["crossover"]:
+        st = x["steady"]
+        where = (f"from S={st['smallest_swept_s']} of the swept S" if st["library_wins_at"]
+                 else "at none of the swept S")
+        fit = st["crossover_s_fitted"]
+        lines.append(f"- D={x['dp']}, W={x['workers']}, CP x PP={x['cp']} x {x['pp']}: the library uses less {where} "
+                     f"(lines fitted in S: {fit if isinstance(fit, str) else f'cross at S = {fit:.0f}'}); steady ratio "
+                     f"{st['ratio_at_smallest_s']:.2f}x at S={data['rows'][0]['sources']}, "
+                     f"{st['ratio_at_largest_s']:.2f}x at the largest S.")
+    best = max(data["rows"], key=lambda r: r["ratio"]["steady"])
+    top = max(r["sources"] for r in data["rows"])
+    lines.append(f"- Largest steady ratio {best['ratio']['steady']:.1f}x (S={best['sources']}, D={best['dp']}, "
+                 f"W={best['workers']}, CP x PP={best['cp']} x {best['pp']}); the paper reports up to "
+                 f"{data['paper_ratio']}x.")
+    u = data["per_source"]
+    lines.append(f"- Per source (steady): every colocated worker holds {u['colocated_mib_per_worker_per_source']:.2f} "
+                 f"MiB more (its reader and row group); the library pays a Source Loader process, "
+                 f"{u['library_mib_per_loader']:.1f} MiB, so its per-source cost is the smaller once D x CP x PP x W > "
+                 f"{u['break_even_workers']:.0f}. Fitted over the measured jobs (residuals within {worst:.0f} MiB): "
+                 f"{u['library_mib_per_loader']:.1f} MiB per loader"
+                 + (f", {u['library_mib_per_constructor']:.1f} MiB per Data Constructor"
+                    if u.get("library_mib_per_constructor") is not None else "")
+                 + f", {u['library_mib_once']:.0f} MiB once (mostly the fork server's preloaded torch, shared by the "
+                   f"roles), and {client['coef']['intercept'] + client['coef']['per_source'] * top:.0f} MiB per "
+                   f"trainer rank's client at S={top}.")
+    cf = [x["file_mib"]["steady"] for x in data["colocated_measured"]]
+    lf = [x["file_mib"]["steady"] for x in data["library_measured"]]
+    lines.append(f"- Left out of the totals: file-backed PSS the runs faulted in (library code pages), "
+                 f"{min(cf):.0f}-{max(cf):.0f} MiB per colocated rank and {min(lf):.0f}-{max(lf):.0f} MiB per library "
+                 f"job; every process on a node shares them, so they count once per node on either side. The machine "
+                 f"was shared (1-minute load {m.get('load_avg_1m_at_start', '?')} at the start, {m['load_avg_1m']} at "
+                 f"the end): that slows the runs but not the anonymous memory they hold.")
+    chk = data.get("library_mesh_check")
+    if chk:
+        lines.append(f"- CP/PP do not change the roles: at S={chk['sources']}, D={chk['dp']} the roles hold "
+                     f"{chk['plane_mib']['steady']:,.0f} MiB steady on a CP x PP={chk['cp']} x {chk['pp']} mesh "
+                     f"against {chk['plane_mib_cp1_pp1']['steady']:,.0f} MiB with CP x PP=1 x 1 (measured).")
+    return lines
+
+
 TABLES = [("plan_speed", plan_speed_table), ("e2e_throughput", e2e_throughput_table), ("runtimes", runtimes_table),
-          ("balance", balance_table), ("mixing_accuracy", mixing_table), ("fault_recovery", fault_recovery_table)]
+          ("balance", balance_table), ("mixing_accuracy", mixing_table), ("fault_recovery", fault_recovery_table),
+          ("memory", memory_table)]
 
 
 def render() -> str:
