@@ -8,6 +8,7 @@ them (the subprocess puts this directory on ``sys.path`` before the fork server 
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -402,6 +403,51 @@ for _ in it:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.slow
+def test_a_start_up_past_startup_timeout_fails_and_stops_its_roles(corpus, tmp_path):
+    """``OverlordLoader(startup_timeout=)`` bounds the rpc start: past it, the constructor raises
+    TransportStartupError naming the timeout, and no role process is left (multiprocessing's own
+    fork server and resource tracker stay until the interpreter exits, as they do for any pool)."""
+    script = tmp_path / "start.py"
+    script.write_text(f"""
+import json, os, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+import torchdata_overlord as ol
+from torchdata_overlord.runtime.rpc_transport import TransportStartupError
+from torchdata_overlord.sim.corpus import build_demo_corpus
+from test_rpc_job import make_sources, vlm_strategy, make_mesh
+
+
+def children():
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            state, ppid = open(f"/proc/{{d}}/stat").read().rsplit(")", 1)[1].split()[:2]
+            cmd = open(f"/proc/{{d}}/cmdline").read().replace(chr(0), " ")
+        except OSError:
+            continue
+        if int(ppid) == os.getpid() and state != "Z":
+            out.append(cmd)
+    return out
+
+
+if __name__ == "__main__":
+    corpus = build_demo_corpus({str(corpus.root)!r}, scale="test", seed=0)
+    try:
+        ol.OverlordLoader(make_sources(corpus), vlm_strategy, make_mesh(), rank=None, global_batch=8, seq_len=None,
+                          image_token_id=corpus.image_token_id, runtime="rpc", n_workers=2, startup_timeout=0.001)
+        print(json.dumps({{"error": None}}))
+    except TransportStartupError as e:
+        print(json.dumps({{"error": str(e), "children": children()}}))
+""")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["error"] is not None and "0.001 s" in out["error"], out
+    left = [c for c in out["children"] if "multiprocessing.forkserver" not in c and "resource_tracker" not in c]
+    assert left == [], left
 
 
 @pytest.mark.slow

@@ -78,7 +78,9 @@ class OverlordLoader:
     starts the roles; with ``address="host:port"`` the roles were started by
     ``python -m torchdata_overlord.launch`` and this process joins them as client ``rank``. The
     strategy must then be picklable (e.g. a module-level function; RPC can be started once per
-    process). Every runtime yields the same batches. ``timeout`` bounds every wait for the next step.
+    process). Every runtime yields the same batches. ``timeout`` bounds every wait for the next step;
+    ``startup_timeout`` bounds the rpc runtime's start-up (processes joining, every Source Loader's first
+    buffer): raise it for hundreds of sources.
     Each item: ``{"step": int, "delivery": "data" | "metadata" | "none", "microbatches": list | None}``
     (see :class:`~torchdata_overlord.roles.constructor.DataConstructor` for the microbatch fields),
     plus ``"encoder"`` (the images this rank embeds) when the plan carries an encoder module.
@@ -91,8 +93,8 @@ class OverlordLoader:
                  global_batch: int, seq_len: int | None, runtime: str = "local", seed: int = 0, prefetch: int = 2,
                  pin_memory: bool = False, buffer_size: int | Mapping[str, int] | None = None,
                  workers: int | Mapping[str, int] = 0, image_token_id: int | None = None, pad_id: int = 0,
-                 timeout: float = 300.0, n_workers: int | None = None, constructors: int | None = None,
-                 group=None, address: str | None = None, spares: int = 0,
+                 timeout: float = 300.0, startup_timeout: float = 60.0, n_workers: int | None = None,
+                 constructors: int | None = None, group=None, address: str | None = None, spares: int = 0,
                  fault_tolerance: "FaultTolerance | None" = None):
         if runtime not in RUNTIMES:
             raise ConfigError(f"unknown runtime {runtime!r}; choose 'local' (every role in this process) or 'rpc' "
@@ -112,7 +114,8 @@ class OverlordLoader:
             warnings.warn("pin_memory=True but no accelerator is available; batches are not pinned", stacklevel=2)
         extra = {}
         if runtime == "rpc":
-            extra = dict(n_workers=n_workers, timeout=min(timeout, 60.0), constructors=constructors, group=group,
+            extra = dict(n_workers=n_workers, timeout=min(timeout, 60.0), startup_timeout=startup_timeout,
+                         constructors=constructors, group=group,
                          address=address, client=rank if address is not None and rank is not None else None,
                          spares=spares)
             if fault_tolerance is not None:
