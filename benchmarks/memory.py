@@ -24,13 +24,13 @@ other processes map libtorch.
 * this library: ``OverlordLoader(runtime="rpc", rank=None)`` on a ``dp=D`` mesh: the Planner, one
   Source Loader per source and one Data Constructor per DP group, one process each, forked from the
   runtime's fork server (it and multiprocessing's resource tracker are counted as helpers).
-  Measured: a real job per (S, D) for S in ``library_sources``; *plane* = every process but the
+  Measured: a real job per (S, D) for S in ``library_sources`` and each (S, D) in ``library_extra``; *plane* = every process but the
   trainer, *client* = the trainer's growth (its RPC agent, sources' footers, fetched batches).
   Derived: the roles do not depend on CP, PP or W (a measured job on a CP x PP mesh checks it);
-  every trainer rank of a real job is a client of its own, so total = plane + ranks x client. For S
-  beyond the measured ones, plane and client come from per-unit costs fitted over all measured jobs
+  every trainer rank of a real job is a client of its own, so total = plane + ranks x client. For an
+  (S, D) not measured, plane and client come from per-unit costs fitted over all measured jobs
   (least squares: intercept + per source x S + per DP group x D; coefficients and residuals in the
-  JSON) and the row says ``extrapolated``.
+  JSON) and the row says ``fitted`` (``extrapolated`` for an S beyond every measured one).
 
 Derived peaks add per-unit peaks, as if every unit peaked at once (an upper bound, on both sides).
 Prints a table, writes ``benchmarks/results/memory.json`` and ``memory.png``; exits non-zero if a run
@@ -67,10 +67,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PAPER_RATIO = 13.5
 SIZES = {
     "full": {"sources": [10, 50, 100, 300], "dw": [[4, 2], [8, 4]], "cp_pp": [[1, 1], [4, 1], [4, 4]],
-             "library_sources": [10, 50, 100], "library_mesh_check": [10, 4, 4, 4],   # [S, D, CP, PP]
+             "library_sources": [10, 50, 100], "library_extra": [[300, 4]], "library_mesh_check": [10, 4, 4, 4],   # [S, D, CP, PP]
              "row_group_kib": 1024, "files": 2, "row_groups": 2},
     "quick": {"sources": [4, 10], "dw": [[4, 2]], "cp_pp": [[1, 1], [4, 4]],
-              "library_sources": [4, 10], "library_mesh_check": None, "row_group_kib": 64, "files": 2, "row_groups": 2},
+              "library_sources": [4, 10], "library_extra": [], "library_mesh_check": None, "row_group_kib": 64, "files": 2, "row_groups": 2},
 }
 GLOBAL_BATCH = 64          # samples per step over the DP ranks: a colocated rank's batch is GLOBAL_BATCH // D
 KEYS = ("peak", "peak_running", "steady")     # whole run, after the first batch, median after warm-up
@@ -78,6 +78,7 @@ STEPS = {"warm": 3, "steady": 8}                # library steps: warm-up (buffer
 STRATEGY = "torchdata_overlord.sim.fault_run.Strategy: equal Constant mix, distribute DP, greedy balance"
 BUFFER = 16                # a Source Loader's buffer (samples): the library's read-ahead per source
 CORPUS_VERSION = 1
+STARTUP_TIMEOUT = 600      # 300 loader processes take ~1-2 min to start and fill on 2 cores
 METHOD = {
     "metric": "sum over every process of Pss_Anon + Pss_Shmem (smaps_rollup), minus the trainer's before the "
               "loader existed; file-backed PSS (shared libraries) is per run in file_mib / pss_mib, not in totals",
@@ -85,7 +86,7 @@ METHOD = {
                  "derived: D x CP x PP ranks x that rank",
     "library": "measured: one rpc job per (S, D): plane = Planner + S loaders + D constructors + fork server + "
                "resource tracker, client = the trainer's growth; derived: plane + D x CP x PP x client; S not "
-               "measured: least squares intercept + per_source x S + per_dp x D over the measured jobs (extrapolated)",
+               "measured: least squares intercept + per_source x S + per_dp x D over the measured jobs (fitted; extrapolated beyond the largest measured S)",
     "peak": "largest sum over the run (peak_running: after the first batch); derived peaks add per-unit peaks",
     "steady": "median sum after warm-up",
 }
@@ -343,7 +344,8 @@ def run_library(cfg: dict) -> dict:
         mesh = ol.ClientPlaceTree(dp=cfg["dp"], cp=cfg.get("cp", 1), pp=cfg.get("pp", 1))
         with ol.OverlordLoader(sources, Strategy([s.name for s in sources]), mesh, rank=None,
                                global_batch=cfg["global_batch"], seq_len=None, runtime="rpc", prefetch=2,
-                               buffer_size=cfg["buffer"], timeout=120) as loader:
+                               buffer_size=cfg["buffer"], timeout=120,
+                               startup_timeout=cfg["startup_timeout"]) as loader:
             it = iter(loader)
             next(it)
             sampler.mark("warm")
@@ -464,7 +466,7 @@ def derive(cfgs: dict, colocated: list[dict], library: list[dict], fits: dict) -
     """One row per (S, D, W, CP, PP): both sides' totals from the measured units, and how.
 
     colocated = ranks x one measured rank; library = plane + ranks x client, from the job measured at
-    (S, D), else from the fitted per-unit costs (extrapolated)."""
+    (S, D), else from the fitted per-unit costs (fitted, or extrapolated beyond every measured S)."""
     rows = []
     for s in cfgs["sources"]:
         for d, w in cfgs["dw"]:
@@ -476,7 +478,7 @@ def derive(cfgs: dict, colocated: list[dict], library: list[dict], fits: dict) -
             else:
                 plane, client = ({k: round(fitted(fits[part][k]["coef"], s, d), 1) for k in KEYS}
                                  for part in ("plane", "client"))
-                how = "extrapolated"
+                how = "fitted" if s <= max(m["sources"] for m in library) else "extrapolated"
             helpers = max(m["counts"]["helpers"] for m in library if m["dp"] == d)
             for cp, pp in cfgs["cp_pp"]:
                 ranks = d * cp * pp
@@ -536,7 +538,7 @@ def main(argv=None) -> int:
     cfgs = SIZES[size]
     root = args.root or default_corpus_root().parent / f"memory-corpus-{size}"
     t_all, load_start = time.perf_counter(), round(os.getloadavg()[0], 2)
-    n_max = max(cfgs["sources"] + cfgs["library_sources"])
+    n_max = max(cfgs["sources"] + cfgs["library_sources"] + [s for s, _ in cfgs["library_extra"]])
     corpus = build_corpus(root, n_max, cfgs["row_group_kib"], cfgs["files"], cfgs["row_groups"])
     files = [[str(Path(corpus["root"], f)) for f in fs] for fs in corpus["files"]]
     spm = str(Path(corpus["root"], corpus["spm"]))
@@ -562,10 +564,12 @@ def main(argv=None) -> int:
             attempt(f"colocated S={s} W={w} batch={GLOBAL_BATCH // d}", "colocated", cfg, colocated)
     print("library, measured jobs (Planner + S loaders + D constructors + helpers, and the trainer's client):",
           flush=True)
-    lib = dict(base, global_batch=GLOBAL_BATCH, buffer=BUFFER, **STEPS)
+    lib = dict(base, global_batch=GLOBAL_BATCH, buffer=BUFFER, startup_timeout=STARTUP_TIMEOUT, **STEPS)
     for d in sorted({d for d, _ in cfgs["dw"]}):
         for s in cfgs["library_sources"]:
             attempt(f"library S={s} D={d}", "library", dict(lib, files=files[:s], sources=s, dp=d), library)
+    for s, d in cfgs["library_extra"]:
+        attempt(f"library S={s} D={d}", "library", dict(lib, files=files[:s], sources=s, dp=d), library)
     mesh_check = []
     if cfgs["library_mesh_check"]:
         s, d, cp, pp = cfgs["library_mesh_check"]
@@ -636,7 +640,7 @@ def print_table(rows: list[dict], cross: list[dict], check: dict | None, unit: d
 
 def plot(path: Path, rows: list[dict]) -> None:
     """Total (GiB) against S, steady and peak: a colour per (D, W, CP, PP), colocated solid, library
-    dashed (hollow markers: extrapolated library rows)."""
+    dashed (hollow markers: library rows from the fitted costs)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -657,9 +661,9 @@ def plot(path: Path, rows: list[dict]) -> None:
                     label=f"D={key[0]} CP={key[2]} PP={key[3]}: library" if k == "steady" else None)
             for r in mine:
                 ax.plot(r["sources"], r["library_mib"][k] / 1024, "s", color=c,
-                        fillstyle="none" if r["library_roles"] == "extrapolated" else "full")
+                        fillstyle="none" if r["library_roles"] != "measured" else "full")
         ax.set(xscale="log", yscale="log", xlabel="sources S", ylabel=f"sum of anonymous PSS, {k} (GiB)",
-               title=f"{k}: colocated (solid) vs library (dashed; hollow: extrapolated)")
+               title=f"{k}: colocated (solid) vs library (dashed; hollow: fitted)")
         ax.set_xticks(sorted({r["sources"] for r in rows}))
         for axis in (ax.xaxis, ax.yaxis):
             axis.set_major_formatter(plain)

@@ -238,7 +238,9 @@ def memory_table(data: dict) -> list[str]:
              f"{c['row_group_kib']} KiB) and tokenizing. Sum of anonymous PSS (`Pss_Anon + Pss_Shmem`, smaps_rollup) "
              f"over every process, the trainer's own imports excluded; shared-library pages left out (every rank maps "
              f"them either way). *colocated*: one rank measured, times D x CP x PP ranks; *library*: the roles "
-             f"measured at S in {c['library_sources']} (else extrapolated from per-unit costs), plus one client per "
+             f"measured at S in {c['library_sources']}"
+             + "".join(f" and S={s} (D={d})" for s, d in c.get("library_extra", [])) +
+             f" (else fitted from per-unit costs), plus one client per "
              f"rank. "
              f"Peaks add per-unit peaks (an upper bound). Plot: `benchmarks/results/memory.png`.", "",
              "| S | D x W | CP x PP | colocated peak / steady (MiB) | library peak / steady (MiB) | ratio (steady) | "
@@ -278,9 +280,10 @@ def memory_table(data: dict) -> list[str]:
     lf = [x["file_mib"]["steady"] for x in data["library_measured"]]
     lines.append(f"- Left out of the totals: file-backed PSS the runs faulted in (library code pages), "
                  f"{min(cf):.0f}-{max(cf):.0f} MiB per colocated rank and {min(lf):.0f}-{max(lf):.0f} MiB per library "
-                 f"job; every process on a node shares them, so they count once per node on either side. The machine "
-                 f"was shared (1-minute load {m.get('load_avg_1m_at_start', '?')} at the start, {m['load_avg_1m']} at "
-                 f"the end): that slows the runs but not the anonymous memory they hold.")
+                 f"job; every process on a node shares them, so they count once per node on either side. 1-minute load "
+                 f"{m.get('load_avg_1m_at_start', '?')} at the start, {m['load_avg_1m']} at the end (the largest job "
+                 f"alone runs {max(x['role_processes'] for x in data['library_measured'])} role processes on "
+                 f"{m['cores']} cores): load slows the runs, not the anonymous memory they hold.")
     chk = data.get("library_mesh_check")
     if chk:
         lines.append(f"- CP/PP do not change the roles: at S={chk['sources']}, D={chk['dp']} the roles hold "

@@ -33,7 +33,8 @@ def test_memory_quick_measures_both_sides_and_derives_the_totals(tmp_path):
         assert all(m["per_rank_mib"][k] > 0 for k in KEYS)
         assert m["per_rank_mib"]["peak"] >= m["per_rank_mib"]["steady"]
     lib = {(m["sources"], m["dp"]): m for m in data["library_measured"]}
-    assert set(lib) == {(s, d) for s in cfg["library_sources"] for d in {d for d, _ in cfg["dw"]}}
+    assert set(lib) == {(s, d) for s in cfg["library_sources"] for d in {d for d, _ in cfg["dw"]}} | \
+        {tuple(x) for x in cfg["library_extra"]}
     for (s, d), m in lib.items():
         assert m["counts"]["planner"] == 1 and m["counts"]["loader"] == s and m["counts"]["constructor"] == d
         assert m["role_processes"] == 1 + s + d == len(set(m["roles"].values()))
@@ -58,7 +59,7 @@ def test_memory_quick_measures_both_sides_and_derives_the_totals(tmp_path):
             line = lambda part, k: sum(v * {"intercept": 1, "per_source": s, "per_dp": d}[n]  # noqa: E731
                                        for n, v in fit[part][k]["coef"].items())
             plane, client = ({k: line(part, k) for k in KEYS} for part in ("plane", "client"))
-            assert r["library_roles"] == "extrapolated"
+            assert r["library_roles"] == ("fitted" if s <= max(m for m, _ in lib) else "extrapolated")
         for k in KEYS:
             assert r["colocated_mib"][k] == pytest.approx(ranks * unit[k], abs=0.1)
             assert r["library_mib"][k] == pytest.approx(plane[k] + ranks * client[k], abs=0.2 + 0.1 * ranks)
