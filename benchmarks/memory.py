@@ -390,18 +390,11 @@ def _cmdline(pid: int) -> str:
 
 # ------------------------------------------------------------------------------ the sweep (parent process)
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not count)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def child(kind: str, cfg: dict, timeout: float) -> dict:
     """Run ``run_<kind>(cfg)`` in a fresh process (RPC starts once per process, and each run starts from
     the same footprint); its result, after checking that every process it recorded is gone."""
+    from torchdata_overlord.runtime.procstats import process_running as alive
+
     with tempfile.TemporaryDirectory(prefix="overlord-mem-") as tmp:
         (Path(tmp) / "cfg.json").write_text(json.dumps(cfg))
         out = Path(tmp) / "out.json"

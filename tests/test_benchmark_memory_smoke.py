@@ -7,16 +7,9 @@ from pathlib import Path
 import pytest
 
 from _benchmarks import run_quick
+from torchdata_overlord.runtime.procstats import process_running as alive
 
 KEYS = ("peak", "peak_running", "steady")
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 @pytest.mark.slow

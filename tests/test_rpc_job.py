@@ -21,6 +21,7 @@ import torch
 
 import torchdata_overlord as ol
 from torchdata_overlord.runtime.local import LocalJob
+from torchdata_overlord.runtime.procstats import process_running as _alive
 from torchdata_overlord.runtime.rpc_job import RpcJob, SourceSpec
 from torchdata_overlord.runtime.transport import InProcessTransport
 from torchdata_overlord.sim.corpus import build_demo_corpus
@@ -212,15 +213,6 @@ torch.save(out, {outp!r})
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            state = next(line for line in f if line.startswith("State:"))
-    except (OSError, StopIteration):
-        return False
-    return "Z" not in state
-
-
 @pytest.mark.slow
 def test_rpc_job_equals_local_job_and_resumes_across_runtimes(corpus, reference, tmp_path):
     steps, states = reference
@@ -387,16 +379,10 @@ for _ in it:
         assert len(pids) == 2 and proc.pid not in pids, (line, proc.stderr.read() if not line else "")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-        def running(pid):
-            try:
-                return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-            except OSError:
-                return False
-
         deadline = time.monotonic() + 30                 # bounded poll of the process table (not our children)
         alive = pids
         while alive and time.monotonic() < deadline:
-            alive = [p for p in pids if running(p)]
+            alive = [p for p in pids if _alive(p)]
             if alive:
                 time.sleep(0.1)
         assert not alive, f"role processes {alive} outlived their trainer"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["process_memory", "process_cpu_seconds", "open_paths", "listening_addresses"]
+__all__ = ["process_memory", "process_cpu_seconds", "process_running", "open_paths", "listening_addresses"]
 
 
 def process_memory(pid: int | None = None) -> dict:
@@ -20,6 +20,15 @@ def process_memory(pid: int | None = None) -> dict:
     except (OSError, ValueError, IndexError):
         pass
     return out
+
+
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (an exited child its parent has not reaped)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _fd_links(pid: int) -> list[str]:
