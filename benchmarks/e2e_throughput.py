@@ -220,6 +220,34 @@ def as_list(batch):
     return batch
 
 
+def timed_pass(it, global_batch: int, warmup: int, steps: int, t_start: float, on_item=None) -> dict:
+    """Draw ``warmup`` global batches from ``it``, then time ``steps`` more; each item ends with
+    ``(record, transform seconds, read seconds)`` (``on_item`` sees every measured item). The
+    measured steps' figures, and ``startup_s``: from ``t_start`` to the first batch."""
+    n = tokens = 0
+    t_transform = t_read = 0.0
+    first = None
+    while n < warmup * global_batch:
+        n += len(next(it))
+        first = first or time.perf_counter() - t_start
+    n0, t0 = n, time.perf_counter()
+    while n - n0 < steps * global_batch:
+        batch = next(it)
+        n += len(batch)
+        for item in batch:
+            rec, tt, tr = item[-3:]
+            tokens += backbone_tokens(rec)
+            t_transform += tt
+            t_read += tr
+            if on_item is not None:
+                on_item(item)
+    elapsed = time.perf_counter() - t0
+    samples = n - n0
+    return {"samples": samples, "tokens": tokens, "seconds": elapsed, "samples_per_s": samples / elapsed,
+            "tokens_per_s": tokens / elapsed, "startup_s": first, "transform_s": t_transform, "read_s": t_read,
+            "transform_ms_per_sample": 1e3 * t_transform / samples}
+
+
 def run_baseline(corpus, workers: int, global_batch: int, warmup: int, steps: int, seed: int, grouped: bool) -> dict:
     per_batch = max(1, global_batch // max(workers, 1))
     ds = MixedParquetDataset(corpus, WEIGHTS, seed, group=per_batch if grouped else 1)
@@ -227,34 +255,16 @@ def run_baseline(corpus, workers: int, global_batch: int, warmup: int, steps: in
                     prefetch_factor=2 if workers else None)
     t_start = time.perf_counter()
     it = iter(dl)
-    n = tokens = 0
-    t_transform = t_read = 0.0
-    first = None
     try:
-        while n < warmup * global_batch:
-            n += len(next(it))
-            first = first or time.perf_counter() - t_start
-        n0, t0 = n, time.perf_counter()
-        while n - n0 < steps * global_batch:
-            batch = next(it)
-            n += len(batch)
-            for rec, tt, tr in batch:
-                tokens += backbone_tokens(rec)
-                t_transform += tt
-                t_read += tr
-        elapsed = time.perf_counter() - t0
+        figures = timed_pass(it, global_batch, warmup, steps, t_start)
     finally:
         del it                         # shuts the worker processes down
-    samples = n - n0
     out = {"side": "DataLoader", "workers": workers, "worker_kind": "processes" if workers else "main process",
            "order": f"grouped by source in blocks of {per_batch}" if grouped else "interleaved sample by sample",
-           "batch_size": per_batch, "samples": samples, "tokens": tokens, "seconds": elapsed,
-           "samples_per_s": samples / elapsed, "tokens_per_s": tokens / elapsed, "startup_s": first,
-           "transform_s": t_transform, "read_s": t_read,
-           "transform_ms_per_sample": 1e3 * t_transform / samples}
+           "batch_size": per_batch, **figures}
     if not workers:                    # one thread: the rest of the wall time is the DataLoader's own
-        out["other_s"] = elapsed - t_transform - t_read
-        out["other_fraction"] = out["other_s"] / t_transform
+        out["other_s"] = out["seconds"] - out["transform_s"] - out["read_s"]
+        out["other_fraction"] = out["other_s"] / out["transform_s"]
     return out
 
 
@@ -351,10 +361,7 @@ def run_nodes(corpus, workers: int, global_batch: int, warmup: int, steps: int, 
     started = {p.pid for p in torch.multiprocessing.active_children()}
     transforms = {name: corpus.transform(name) for name in WEIGHTS}
     sources, mapper = {}, None
-    n = tokens = 0
-    t_transform = t_read = 0.0
     picks = dict.fromkeys(WEIGHTS, 0)
-    first = None
     try:
         for name in WEIGHTS:
             sources[name] = ol.ParquetSource(name, corpus.sources[name], None, columns=transforms[name].columns,
@@ -367,24 +374,15 @@ def run_nodes(corpus, workers: int, global_batch: int, warmup: int, steps: int, 
         loader = tn.Loader(tn.Batcher(mapper, batch_size=global_batch, drop_last=True))
         t_start = time.perf_counter()
         it = iter(loader)              # starts the reader thread, the W worker processes and the sort thread
-        while n < warmup * global_batch:
-            n += len(next(it))
-            first = first or time.perf_counter() - t_start
-        n0, t0 = n, time.perf_counter()
-        while n - n0 < steps * global_batch:
-            batch = next(it)
-            n += len(batch)
-            for name, rec, tt, tr in batch:
-                tokens += backbone_tokens(rec)
-                t_transform += tt
-                t_read += tr
-                picks[name] += 1
-        elapsed = time.perf_counter() - t0
+
+        def count(item):
+            picks[item[0]] += 1
+
+        figures = timed_pass(it, global_batch, warmup, steps, t_start, count)
     finally:
         _stop_nodes(mapper, started)
         for src in sources.values():
             src.close()
-    samples = n - n0
     return {"side": "torchdata.nodes", "workers": workers,
             "worker_kind": f"processes (ParallelMapper method='process', fork): {workers} transform processes; "
                            f"the main process reads and mixes in the mapper's reader thread",
@@ -392,11 +390,7 @@ def run_nodes(corpus, workers: int, global_batch: int, warmup: int, steps: int, 
                         f"ParallelMapper(transform, method='process', prebatch={prebatch}) -> "
                         f"Batcher({global_batch}) -> Loader", "prebatch": prebatch,
             "order": "interleaved sample by sample (torch.multinomial picks)", "batch_size": global_batch,
-            "samples": samples, "tokens": tokens, "seconds": elapsed,
-            "samples_per_s": samples / elapsed, "tokens_per_s": tokens / elapsed, "startup_s": first,
-            "transform_s": t_transform, "read_s": t_read,
-            "transform_ms_per_sample": 1e3 * t_transform / samples,
-            "mixture": {k: v / samples for k, v in picks.items()}}
+            **figures, "mixture": {k: v / figures["samples"] for k, v in picks.items()}}
 
 
 # ------------------------------------------------------------------------------------------------
