@@ -178,15 +178,9 @@ def process_tree(pid: int) -> list[int]:
 def smaps(pid: int) -> tuple[float, float] | None:
     """``(anonymous, file)`` PSS of ``pid`` in MiB from ``/proc/<pid>/smaps_rollup``: Pss_Anon + Pss_Shmem,
     and Pss_File (None if the process is gone)."""
-    got = {}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("Pss_Anon", "Pss_Shmem", "Pss_File"):
-                    got[key] = int(rest.split()[0]) / 1024
-    except (OSError, ValueError, IndexError):
-        return None
+    from torchdata_overlord.runtime.procstats import smaps_rollup
+
+    got = smaps_rollup(pid)
     return (got.get("Pss_Anon", 0.0) + got.get("Pss_Shmem", 0.0), got.get("Pss_File", 0.0)) if got else None
 
 

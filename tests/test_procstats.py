@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from torchdata_overlord.runtime.procstats import process_memory, process_running
+from torchdata_overlord.runtime.procstats import process_memory, process_running, smaps_rollup
 
 
 def test_process_running_tells_live_zombie_and_gone_apart():
@@ -15,6 +15,8 @@ def test_process_running_tells_live_zombie_and_gone_apart():
         assert process_running(proc.pid)
         mem = process_memory(proc.pid)
         assert mem["pid"] == proc.pid and mem["rss_mib"] > 0 and mem["pss_mib"] > 0
+        fields = smaps_rollup(proc.pid)
+        assert fields["Pss_Anon"] > 0 and fields["Pss"] >= fields["Pss_Anon"] and fields["Rss"] >= fields["Pss"]
         proc.stdin.close()                                       # the child reads EOF and exits
         os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)   # exited, not reaped: a zombie
         assert not process_running(proc.pid)
@@ -23,4 +25,4 @@ def test_process_running_tells_live_zombie_and_gone_apart():
             proc.kill()
         proc.wait(timeout=30)
     assert not process_running(proc.pid)                         # reaped: no /proc entry
-    assert process_memory(proc.pid)["rss_mib"] is None
+    assert process_memory(proc.pid)["rss_mib"] is None and smaps_rollup(proc.pid) is None

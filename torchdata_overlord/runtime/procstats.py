@@ -4,22 +4,30 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["process_memory", "process_cpu_seconds", "process_running", "open_paths", "listening_addresses"]
+__all__ = ["smaps_rollup", "process_memory", "process_cpu_seconds", "process_running", "open_paths", "listening_addresses"]
+
+
+def smaps_rollup(pid: int) -> dict[str, float] | None:
+    """Every kB field of ``/proc/<pid>/smaps_rollup`` (``Rss``, ``Pss``, ``Pss_Anon``, ``Pss_File``,
+    ...) in MiB; None if the process is gone or the file unreadable."""
+    out = {}
+    try:
+        with open(f"/proc/{int(pid)}/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if len(parts) == 2 and parts[1] == "kB":
+                    out[key] = int(parts[0]) / 1024
+    except (OSError, ValueError):
+        return None
+    return out
 
 
 def process_memory(pid: int | None = None) -> dict:
     """``{"pid", "rss_mib", "pss_mib"}`` from ``/proc/<pid>/smaps_rollup`` (None values where unreadable)."""
     pid = os.getpid() if pid is None else int(pid)
-    out = {"pid": pid, "rss_mib": None, "pss_mib": None}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("Rss", "Pss"):
-                    out[f"{key.lower()}_mib"] = round(int(rest.split()[0]) / 1024, 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return out
+    got = smaps_rollup(pid) or {}
+    return {"pid": pid, **{f"{k.lower()}_mib": round(got[k], 1) if k in got else None for k in ("Rss", "Pss")}}
 
 
 def process_running(pid: int) -> bool:
