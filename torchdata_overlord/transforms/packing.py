@@ -95,17 +95,23 @@ def pack(sequences: list[torch.Tensor], seq_len: int | None, pad_id: int = 0, ig
         return cu
 
     cu_seqlens, cu_padded = cumulative(real), cumulative(spans)
-    real_t = torch.tensor(real, dtype=torch.int64, device=device)
-    n_real = sum(lengths)
-    # row position of every real token: its entry's offset plus its index within the sequence
-    within = torch.arange(n_real, device=device) - torch.repeat_interleave(
-        cu_seqlens[:-1].to(torch.int64), real_t, output_size=n_real)
-    at = torch.repeat_interleave(cu_padded[:-1].to(torch.int64), real_t, output_size=n_real) + within
-    ids = torch.full((length,), pad_id, dtype=torch.int64, device=device)
-    segment_ids = torch.full((length,), -1, dtype=torch.int64, device=device)
-    if n_real:
-        ids[at] = torch.cat(seqs)
-        segment_ids[at] = torch.repeat_interleave(torch.arange(len(real), device=device), real_t, output_size=n_real)
+    # the row as pieces: each sequence's real tokens, then its padding (views of one padding block)
+    fill = torch.full((max(p - n for p, n in zip(spans, real)) if spans else 0,), pad_id, dtype=torch.int64,
+                      device=device)
+    pieces, piece_ids, piece_lens = [], [], []
+    for k, (n, p) in enumerate(zip(real, spans)):
+        if n:
+            pieces.append(seqs[k])
+            piece_ids.append(k)
+            piece_lens.append(n)
+        if p > n:
+            pieces.append(fill[:p - n])
+            piece_ids.append(-1)
+            piece_lens.append(p - n)
+    ids = torch.cat(pieces) if pieces else fill[:0].clone()
+    segment_ids = torch.repeat_interleave(torch.tensor(piece_ids, dtype=torch.int64, device=device),
+                                          torch.tensor(piece_lens, dtype=torch.int64, device=device),
+                                          output_size=length)
     starts = torch.repeat_interleave(cu_padded[:-1].to(torch.int64),
                                      torch.tensor(spans, dtype=torch.int64, device=device), output_size=length)
     position_ids = torch.arange(length, device=device) - starts
