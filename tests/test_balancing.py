@@ -45,6 +45,8 @@ def balance_case(draw):
                                                 or equal_counts) and top > max_tokens):
         # samples spanning CP ranks need pooled bins and a balancing method (tested separately)
         max_tokens = top
+    if max_tokens is not None and axis == "DP" and sizes["cp"] > 1:
+        max_tokens = max(max_tokens, 2 * sizes["cp"])    # a CP-split row's sequences take multiples of 2*cp
     return dict(mesh=mesh, axis=axis, sources=sources, method=method, level=level, equal_counts=equal_counts,
                 microbatches=microbatches, max_tokens=max_tokens, oversize=oversize, cost=cost, seed=seed)
 
@@ -77,11 +79,13 @@ def _check_plan(case, plan):
     assert plan.n_microbatches >= case["microbatches"]
     assert plan.stats["microbatches_opened"] == plan.n_microbatches - case["microbatches"]
     cp = mesh.sizes["cp"] if axis == "CP" else 1
+    # under distribute("DP") the constructor pads every sequence to a multiple of 2*cp for the CP split
+    mult = 2 * mesh.sizes["cp"] if axis == "DP" and mesh.sizes["cp"] > 1 else 1
     mt = case["max_tokens"]
     if mt is not None:
         # per (bucket, microbatch) bin, per rank: a zig-zag CP shard carries 2 chunks of ceil(tokens / 2k)
-        per_rank = [2 * -(-ent["tokens"] // (2 * ent["nshards"])) if ent["nshards"] > 1 else ent["tokens"]
-                    for ent in entry_frame(plan)]
+        per_rank = [2 * -(-ent["tokens"] // (2 * ent["nshards"])) if ent["nshards"] > 1
+                    else -(-ent["tokens"] // mult) * mult for ent in entry_frame(plan)]
         mine = per_bin(plan, per_rank)
         assert (mine <= mt).all(), f"bin over max_tokens={mt}: {mine.max()}"
         assert (plan.bin_tokens() == mine).all()

@@ -117,14 +117,7 @@ def bucket_rows(plan, outs, b):
             row = dict(mbs[0])
             if split:
                 assert sorted(group) == list(range(mesh.sizes["cp"]))
-                n = mbs[0]["input_ids"].numel() * len(mbs)
-                for i, mb in enumerate(mbs):
-                    assert int(mb["cp_rank"]) == i and int(mb["cp_size"]) == len(mbs)
-                    k, c = len(mbs), n // (2 * len(mbs))
-                    want = list(range(i * c, (i + 1) * c)) + list(range((2 * k - 1 - i) * c, (2 * k - i) * c))
-                    assert mb["token_index"].tolist() == want
-                for f in ROW_FIELDS:
-                    row[f] = zigzag_merge([mb[f] for mb in mbs])
+                row.update(cp_merge(mbs))
             rows.append(row)
         merged.append(rows)
     assert merged, f"bucket {b} has no data client"
@@ -135,27 +128,70 @@ def bucket_rows(plan, outs, b):
     return merged[0]
 
 
+def cp_positions(cu_padded, cp, rank):
+    """Row positions CP rank holds: chunks rank and 2*cp-1-rank of every entry (THD with CP), by hand."""
+    out = []
+    for a, b in zip(cu_padded, cu_padded[1:]):
+        assert (b - a) % (2 * cp) == 0, "every sequence is padded to a multiple of 2*cp"
+        c = (b - a) // (2 * cp)
+        out += list(range(a + rank * c, a + (rank + 1) * c)) + list(range(a + (2 * cp - 1 - rank) * c,
+                                                                          a + (2 * cp - rank) * c))
+    return out
+
+
+def cp_merge(mbs):
+    """The row the CP ranks' shards came from, put back together position by position; checks that
+    each rank holds its chunks of every sequence and an equal share of each sequence's real tokens."""
+    k = len(mbs)
+    cu_p, cu = mbs[0]["cu_seqlens_padded"].tolist(), mbs[0]["cu_seqlens"].tolist()
+    n = cu_p[-1]
+    row = {}
+    for i, mb in enumerate(mbs):
+        assert int(mb["cp_rank"]) == i and int(mb["cp_size"]) == k
+        assert mb["token_index"].tolist() == cp_positions(cu_p, k, i)
+    for f in ROW_FIELDS:
+        vals = [None] * n
+        for mb in mbs:
+            for at, v in zip(mb["token_index"].tolist(), mb[f].tolist()):
+                vals[at] = v
+        assert None not in vals
+        row[f] = torch.tensor(vals, dtype=mbs[0][f].dtype)
+    for j, (a, b) in enumerate(zip(cu, cu[1:])):
+        real = [int((mb["segment_ids"] == j).sum()) for mb in mbs]
+        assert sum(real) == b - a and max(real) - min(real) <= 2 * k - 1, (j, real)
+    return row
+
+
 def check_row_invariants(row, seq_len, mult):
-    ids, lab, lm, pos, seg, cu = (row[f] for f in (*ROW_FIELDS, "cu_seqlens"))
+    ids, lab, lm, pos, seg, cu, cu_p = (row[f] for f in (*ROW_FIELDS, "cu_seqlens", "cu_seqlens_padded"))
     n = ids.numel()
     assert all(t.numel() == n for t in (lab, lm, pos, seg))
     if seq_len is not None:
         assert n == seq_len
     assert n % mult == 0 and n >= 1
-    cu = cu.tolist()
-    assert cu[0] == 0 and cu[-1] == n and int(row["max_seqlen"]) == max(b - a for a, b in zip(cu, cu[1:]))
-    span_ranges = {(s["offset"], s["offset"] + s["length"]) for s in row["spans"]}
-    for j, (a, b) in enumerate(zip(cu, cu[1:])):
-        if (a, b) in span_ranges:
+    cu, cu_p = cu.tolist(), cu_p.tolist()
+    real = [b - a for a, b in zip(cu, cu[1:])]
+    assert cu[0] == cu_p[0] == 0 and cu_p[-1] == n and len(cu) == len(cu_p)
+    assert int(row["max_seqlen"]) == max(real)               # padding is never attended
+    spans = {s["segment"] for s in row["spans"]}
+    n_seq = len(row["sample_keys"])
+    for j, ((a, b), r) in enumerate(zip(zip(cu_p, cu_p[1:]), real)):
+        assert 0 <= r <= b - a and (b - a) % mult == 0
+        if j < n_seq and j not in spans:
+            assert b - a == -(-r // mult) * mult             # a sequence is padded to the next multiple only
+        # positions restart at every entry; padding after the real tokens never trains
+        if j not in spans:
+            assert pos[a:b].tolist() == list(range(b - a))
+        assert (seg[a + r:b] == -1).all() and not lm[a + r:b].any() and (lab[a + r:b] == IGNORE).all()
+        assert (ids[a + r:b] == PAD).all()
+        if j in spans:
             continue
-        # labels never cross segments; positions restart; padding never trains
-        assert seg[a:b].tolist() == [seg[a].item()] * (b - a)
-        assert pos[a:b].tolist() == list(range(b - a))
-        if b > a and seg[a] < 0:
-            assert not lm[a:b].any() and (lab[a:b] == IGNORE).all() and (ids[a:b] == PAD).all()
+        if not r:
             continue
-        assert lm[a:b - 1].all() and (b == a or not lm[b - 1])
-        assert torch.equal(lab[a:b - 1], ids[a + 1:b]) and (b == a or lab[b - 1] == IGNORE)
+        # labels never cross sequences
+        assert seg[a:a + r].tolist() == [j] * r
+        assert lm[a:a + r - 1].all() and not lm[a + r - 1]
+        assert torch.equal(lab[a:a + r - 1], ids[a + 1:a + r]) and lab[a + r - 1] == IGNORE
     assert torch.equal(lab[~lm], torch.full_like(lab[~lm], IGNORE))
 
 
@@ -173,8 +209,8 @@ def check_plan(plan, outs, samples, seq_len=None):
         for m, (items, row) in enumerate(zip(plan.bucket_microbatches(b), rows)):
             check_row_invariants(row, seq_len, mult)
             assert row["sample_keys"] == [str(it.key) for it in items]
-            cu = row["cu_seqlens"].tolist()
-            assert len(cu) - 1 in (len(items), len(items) + 1)     # segments (+ trailing padding)
+            cu, cu_real = row["cu_seqlens_padded"].tolist(), row["cu_seqlens"].tolist()
+            assert len(cu) - 1 in (len(items), len(items) + 1)     # sequences (+ trailing padding)
             spans = {s["segment"]: s for s in row["spans"]}
             want_images = []
             for j, it in enumerate(items):
@@ -184,6 +220,7 @@ def check_plan(plan, outs, samples, seq_len=None):
                 got = {f: row[f][cu[j]:cu[j + 1]] for f in ROW_FIELDS}
                 seen[(it.key, it.piece, it.shard)] += 1
                 if it.nshards == 1:
+                    got = {f: v[:cu_real[j + 1] - cu_real[j]] for f, v in got.items()}   # the real tokens
                     assert j not in spans
                     assert torch.equal(got["input_ids"], full[a:z])
                     pieces[it.key][it.piece] = got["input_ids"]

@@ -149,6 +149,8 @@ def oversize_case(draw):
     n = draw(st.integers(1, 60))
     toks = tokens_of(draw(st.sampled_from(["pareto", "bimodal", "uniform"])), n, draw(st.integers(0, 2**16)))
     max_tokens = draw(st.integers(max(int(toks.max()) // 8, 2), max(int(toks.max()), 2)))
+    if axis == "DP":
+        max_tokens = max(max_tokens, 2 * cp)       # a CP-split row's sequences take multiples of 2*cp
     return dict(mesh=mesh, axis=axis, toks=toks, max_tokens=max_tokens,
                 method=draw(st.sampled_from(["greedy", "karmarkar_karp"])), microbatches=draw(st.integers(1, 3)))
 
@@ -166,6 +168,9 @@ def test_oversize_policies(case):
     cp = case["mesh"].sizes["cp"] if case["axis"] == "CP" else 1
     # a CP rank holds a zig-zag shard of 2 * ceil(n / 2k) tokens: even budgets per rank, at most cp ranks
     limit = 2 * (case["max_tokens"] // 2) * cp if cp > 1 else case["max_tokens"]
+    row_cp = case["mesh"].sizes["cp"] if case["axis"] == "DP" else 1
+    if row_cp > 1:   # DP rows are split per sequence over CP ranks: pieces are whole multiples of 2*cp
+        limit -= limit % (2 * row_cp)
     half = len(case["toks"]) // 2
     by_key = {ol.SampleKey("src", i): int(t) for i, t in enumerate(case["toks"][:half])}
     by_key.update({ol.SampleKey("other", 1000 + i): int(t) for i, t in enumerate(case["toks"][half:])})
@@ -218,6 +223,35 @@ def test_oversize_error_message_by_hand():
     g = graph(ol.ClientPlaceTree(dp=2), {"web": [10, 20, 5000, 30]}).distribute("DP")
     with pytest.raises(ol.OversizeSampleError, match=r"step 0: sample web:2 has 5000 tokens, over max_tokens=4096"):
         g.balance("greedy", max_tokens=4096)
+
+
+@settings(max_examples=40, deadline=None)
+@given(toks=st.lists(st.integers(0, 40), min_size=1, max_size=40), cp=st.integers(2, 3), extra=st.integers(0, 30),
+       method=st.sampled_from(["greedy", "karmarkar_karp"]), dp=st.integers(1, 2))
+def test_dp_rows_split_over_cp_count_each_sequence_at_its_padded_length(toks, cp, extra, method, dp):
+    """distribute("DP") on a cp > 1 mesh: the Data Constructor pads every sequence to a multiple of
+    2*cp before the per-sequence CP split, so max_tokens and the costs must count that layout, or a
+    planned microbatch overflows seq_len = max_tokens (issue 11 item 12)."""
+    m = 2 * cp
+    max_tokens = m * max(-(-max(toks) // m), 1) + extra   # every sample fits alone
+    plan = (graph(ol.ClientPlaceTree(dp=dp, cp=cp), {"a": toks}).distribute("DP").cost(ol.token_count)
+            .balance(method, microbatches=2, max_tokens=max_tokens).plan())
+    assert_valid_permutation(plan)
+    bins = Counter()
+    for ent in entry_frame(plan):
+        laid = -(-ent["tokens"] // m) * m                   # by hand: the sequence's padded length
+        assert ent["tokens"] == toks[ent["key"].index] and ent["cost"] == laid
+        bins[ent["bucket"], ent["mb"]] += laid
+    assert max(bins.values()) <= max_tokens
+    assert plan.bin_tokens().max() == max(bins.values())
+
+
+def test_dp_rows_split_over_cp_need_max_tokens_of_at_least_2cp():
+    g = graph(ol.ClientPlaceTree(dp=2, cp=2), {"a": [1, 2, 3]}).distribute("DP")
+    with pytest.raises(ol.ConfigError, match=r"max_tokens=3 cannot hold a sequence split over cp=2 .* 2\*cp=4"):
+        g.balance("greedy", max_tokens=3)
+    with pytest.raises(ol.OversizeSampleError, match=r"over max_tokens=6 \(rounded down to 4"):
+        graph(ol.ClientPlaceTree(dp=2, cp=2), {"a": [1, 5]}).distribute("DP").balance("greedy", max_tokens=6)
 
 
 def test_truncate_recosts_the_truncated_sample():

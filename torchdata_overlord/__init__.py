@@ -12,9 +12,11 @@ The public API, in the order a training script meets it:
 * the metadata a Source Loader reports: :class:`BufferMeta`;
 * real data: :class:`ParquetSource` with the sample transforms :class:`Tokenize` and :class:`ImageText`;
 * the trainer's drop-in ``DataLoader``: :class:`OverlordLoader`, with :class:`FaultTolerance` to
-  keep feeding through failed roles under ``runtime="rpc"``.
+  keep feeding through failed roles under ``runtime="rpc"``; what it yields, key by key:
+  :class:`Batch` and :class:`Microbatch` (``torchdata_overlord.batch``).
 """
 
+from .batch import Batch, Microbatch
 from .errors import BufferShortageError, ConfigError, OverlordError, OversizeSampleError
 from .plane import (AttentionFlops, BufferMeta, ClientPlaceTree, Constant, Cosine, DGraph, Dynamic, EncoderCost,
                     FromCallable, Linear, Piecewise, Plan, PlanItem, SampleKey, Schedule, attention_flops,
@@ -28,7 +30,7 @@ from .transforms import ImageText, Tokenize
 __version__ = "0.1.0"
 
 __all__ = [
-    "OverlordLoader", "FaultTolerance", "ParquetSource", "Tokenize", "ImageText",
+    "OverlordLoader", "FaultTolerance", "Batch", "Microbatch", "ParquetSource", "Tokenize", "ImageText",
     "ClientPlaceTree", "DGraph", "Plan", "PlanItem", "SampleKey", "BufferMeta", "Planner",
     "Schedule", "Constant", "Piecewise", "Linear", "Cosine", "FromCallable", "Dynamic",
     "token_count", "AttentionFlops", "attention_flops", "EncoderCost", "encoder_cost",

@@ -76,7 +76,7 @@ def describe_rank(rank: int, item: dict, mesh: ol.ClientPlaceTree, patch: int, i
                            for k, v in mb.items())
         print(f"  microbatch {m}: {fields}")
         print(f"    {len(mb['sample_keys'])} packed segments: {' '.join(mb['sample_keys'])}")
-        cu = mb["cu_seqlens"].tolist()
+        cu = mb["cu_seqlens_padded"].tolist()                # where each packed sequence starts
         none = torch.zeros(0, 2, dtype=torch.int64)         # a microbatch without images has no image fields
         for k, (start, length), seg, enc in zip(mb.get("image_keys", []), mb.get("image_positions", none).tolist(),
                                                mb.get("image_segments", none[:, 0]).tolist(),

@@ -18,10 +18,16 @@ from ..errors import ConfigError
 from .place_tree import ClientPlaceTree
 from .records import Records, SampleKey
 
-__all__ = ["Plan", "PlanItem", "ENTRY_COLUMNS"]
+__all__ = ["Plan", "PlanItem", "ENTRY_COLUMNS", "row_cp"]
 
 # one entry per (sample, piece, CP shard) placed in a (bucket, microbatch)
 ENTRY_COLUMNS = ("row", "bucket", "mb", "tokens", "cost", "piece", "npieces", "shard", "nshards")
+
+
+def row_cp(mesh: ClientPlaceTree, axis: str) -> int:
+    """The CP size a bucket's packed rows are split over, per sequence, by the Data Constructor:
+    the mesh's cp along ``distribute("DP")`` (each sequence then takes a multiple of 2*cp tokens), else 1."""
+    return mesh.sizes.get("cp", 1) if axis == "dp" else 1
 
 
 class PlanItem(NamedTuple):
@@ -139,11 +145,14 @@ class Plan:
             self.n_microbatches, len(self.buckets))
 
     def bin_tokens(self) -> np.ndarray:
-        """Tokens per (microbatch, bucket), per rank of the bucket (CP shards counted as placed)."""
+        """Tokens per (microbatch, bucket): those of the bin's packed row (what ``max_tokens`` caps), each
+        sequence padded to a multiple of 2*cp where the row is split over CP ranks; a CP shard as placed."""
         e = self.entries
         flat = e["mb"] * len(self.buckets) + e["bucket"]
+        cp = row_cp(self.mesh, self.axis)
+        mult = 2 * cp if cp > 1 else 1
         # a sequence spanning k CP ranks gives each a zig-zag shard of 2 chunks of ceil(n / 2k) tokens
-        per_rank = np.where(e["nshards"] > 1, 2 * -(-e["tokens"] // (2 * e["nshards"])), e["tokens"])
+        per_rank = np.where(e["nshards"] > 1, 2 * -(-e["tokens"] // (2 * e["nshards"])), -(-e["tokens"] // mult) * mult)
         return np.bincount(flat, weights=per_rank, minlength=self.n_microbatches * len(self.buckets)).reshape(
             self.n_microbatches, len(self.buckets)).astype(np.int64)
 

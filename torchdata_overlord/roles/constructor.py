@@ -14,17 +14,19 @@ Loader reports :func:`sequence_length` as the sample's token count, so the plan'
 hold for the packed rows.
 
 Each microbatch dict holds the :func:`~torchdata_overlord.transforms.pack` fields (``input_ids``,
-``labels``, ``loss_mask``, ``position_ids``, ``segment_ids``, ``cu_seqlens``, ``max_seqlen``), after
+``labels``, ``loss_mask``, ``position_ids``, ``segment_ids``, ``cu_seqlens``, ``cu_seqlens_padded``,
+``max_seqlen``), with every sequence padded to a multiple of 2*cp and split per sequence by
 :func:`~torchdata_overlord.transforms.split_packed` (adding ``cp_rank``, ``cp_size``, ``token_index``)
 for the CP ranks of a ``distribute("DP")`` bucket; ``sample_keys`` (one ``"source:index"`` per
-segment, in order); ``spans`` (one dict per segment that is a shard of a sequence spanning CP
+sequence, in order); ``spans`` (one dict per sequence that is a shard of a sequence spanning CP
 ranks under ``distribute("CP")``: ``key``, ``shard``, ``nshards``, ``token_index`` (its global
 positions, also its ``position_ids``), ``tokens``, ``piece``, ``npieces``, ``segment``, ``offset``,
 ``length``); and, when it holds images, ``image_keys``, ``image_grid`` (n, 2), ``image_segments``
 (n,), ``image_positions`` (n, 2) = (start, length) of the image's placeholder run in the packed row
 before any CP split (for a CP span: in that sequence's own positions), ``image_patch_offsets`` (n,)
 (first patch of the run, > 0 only where a piece boundary cuts an image), and ``pixels`` (list of
-uint8 tensors) or, with an encoder module, ``image_encoder_rank`` (n,).
+uint8 tensors) or, with an encoder module, ``image_encoder_rank`` (n,). ``torchdata_overlord.batch``
+is the full contract (dtypes, shapes, padding values).
 
 Tensors are shared, not copied, between the clients of one bucket (a pipeline stage's metadata
 is the same ``position_ids`` tensor as stage 0's): treat the outputs as read-only.
@@ -39,7 +41,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, OverlordError, OversizeSampleError
-from ..plane.plan import Plan, PlanItem
+from ..plane.plan import Plan, PlanItem, row_cp
 from ..plane.records import SampleKey
 from ..transforms.cp_split import split_packed, zigzag_indices
 from ..transforms.packing import pack
@@ -50,8 +52,9 @@ __all__ = ["DataConstructor", "MissingSampleError", "sequence_length", "sequence
 # packed-row fields that a pipeline stage > 0 keeps (labels/loss_mask only on the last stage)
 _DROP_ON_METADATA = ("input_ids", "pixels")
 _LAST_STAGE_ONLY = ("labels", "loss_mask")
-# the packed-row fields a context-parallel rank receives as its zig-zag shard (cu_seqlens stays whole)
-_SPLIT_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids", "segment_ids", "cu_seqlens", "max_seqlen")
+# the packed-row fields a context-parallel rank receives as its zig-zag shard (the cu_seqlens stay whole)
+_SPLIT_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids", "segment_ids", "cu_seqlens",
+                 "cu_seqlens_padded", "max_seqlen")
 
 
 class MissingSampleError(OverlordError, KeyError):
@@ -163,7 +166,8 @@ class _Image:
 @dataclass
 class _Segment:
     item: PlanItem
-    ids: torch.Tensor
+    ids: torch.Tensor                             # the real tokens (a span shard: the real ones it holds)
+    padded: int | None = None                     # a span shard's length in the row, its padding included
     span: dict | None = None                      # for a shard of a sequence spanning CP ranks
     overrides: dict = field(default_factory=dict)  # labels / loss_mask / position_ids of a span shard
     images: list = field(default_factory=list)
@@ -202,7 +206,7 @@ class DataConstructor:
         if isinstance(bucket, bool) or not isinstance(bucket, int) or not 0 <= bucket < len(plan.buckets):
             raise ConfigError(f"step {plan.step}: bucket {bucket!r} is outside 0..{len(plan.buckets) - 1} "
                               f"(the plan has {len(plan.buckets)} buckets along {plan.axis!r})")
-        cp = plan.mesh.sizes.get("cp", 1) if plan.axis == "dp" else 1
+        cp = row_cp(plan.mesh, plan.axis)
         if cp > 1 and self.seq_len is not None and self.seq_len % (2 * cp):
             raise ConfigError(f"DataConstructor: seq_len={self.seq_len} must be a multiple of 2*cp={2 * cp} to split "
                               f"packed rows over {cp} CP ranks; choose seq_len={-(-self.seq_len // (2 * cp)) * 2 * cp}")
@@ -285,7 +289,8 @@ class DataConstructor:
             labels[:T - 1] = piece[1:]
             mask = torch.zeros(padded_len, dtype=torch.bool)
             mask[:T - 1] = True
-            seg.ids = padded[idx]
+            seg.ids = padded[idx[idx < T]]         # the shard's real tokens come first (padding ends the piece)
+            seg.padded = int(idx.numel())
             seg.overrides = {"labels": labels[idx], "loss_mask": mask[idx], "position_ids": idx.clone()}
             seg.span = {"key": str(item.key), "shard": item.shard, "nshards": k, "token_index": idx,
                         "tokens": T, "piece": item.piece, "npieces": item.npieces}
@@ -312,18 +317,20 @@ class DataConstructor:
                     enc_rank) -> dict:
         segs = [self._segment(plan, it, self._sample(samples, it.key, plan.step, bucket, f"microbatch {m}"))
                 for it in items]
-        mult = 2 * cp if cp > 1 else 1
+        mult = 2 * cp if cp > 1 else 1                 # every sequence padded to a multiple of 2*cp (THD with CP)
         seq_len = self.seq_len if self.seq_len is not None or segs else mult   # an empty microbatch: padding
+        padded = [s.padded if s.padded is not None else -(-int(s.ids.numel()) // mult) * mult for s in segs]
         try:
-            row = pack([s.ids for s in segs], seq_len, self.pad_id, self.ignore_index, pad_to_multiple=mult)
+            row = pack([s.ids for s in segs], seq_len, self.pad_id, self.ignore_index, pad_to_multiple=mult,
+                       padded_lengths=padded)
         except OversizeSampleError as e:
-            total = sum(int(s.ids.numel()) for s in segs)
             names = [str(s.item.key) for s in segs[:6]] + (["..."] if len(segs) > 6 else [])
             raise OversizeSampleError(
-                f"step {plan.step}: microbatch {m} of bucket {bucket} holds {total} tokens, more than seq_len="
-                f"{self.seq_len} ({len(segs)} segments: {', '.join(names)}); plan with max_tokens <= seq_len "
-                f"(a sequence spanning k CP ranks takes 2*ceil(n / 2k) tokens per rank)") from e
-        cu = row["cu_seqlens"].tolist()
+                f"step {plan.step}: microbatch {m} of bucket {bucket} holds {sum(padded)} tokens, more than seq_len="
+                f"{self.seq_len} ({len(segs)} sequences: {', '.join(names)}); plan with max_tokens <= seq_len "
+                f"(with cp > 1 every sequence takes a multiple of 2*cp tokens; a sequence spanning k CP ranks takes "
+                f"2*ceil(n / 2k) tokens per rank)") from e
+        cu = row["cu_seqlens_padded"].tolist()         # where each sequence sits in the row
         spans = []
         for j, s in enumerate(segs):
             if s.span is None:

@@ -1,9 +1,11 @@
-"""Parallelism transforms: context-parallel split in the load-balanced zig-zag layout.
+"""Parallelism transforms: context-parallel split of packed rows, per sequence, in the zig-zag layout.
 
 Ring attention with a causal mask gives late tokens more work than early ones, so a contiguous
-split overloads the last CP rank. The Megatron/TransformerEngine layout cuts the row into 2*cp
-equal chunks and gives rank i chunks i and 2*cp-1-i, pairing a cheap chunk with an expensive one.
-The whole row is split (not each segment), and ``cu_seqlens``/``max_seqlen`` stay global.
+split overloads the last CP rank. The Megatron-Core / TransformerEngine layout (THD with CP) pads
+every sequence of a packed row to a multiple of 2*cp, cuts each into 2*cp equal chunks and gives
+CP rank r chunks r and 2*cp-1-r of every sequence: each rank holds an equal share of every
+sequence, pairing a cheap chunk with an expensive one. ``cu_seqlens``, ``cu_seqlens_padded`` and
+``max_seqlen`` stay global (the kernel takes the global ones with the rank's shard).
 """
 
 from __future__ import annotations
@@ -11,70 +13,73 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from .packing import PER_TOKEN_FIELDS
+from .packing import PER_TOKEN_FIELDS, pack, unpack
 
-__all__ = ["pad_for_cp", "zigzag_indices", "zigzag_split", "zigzag_merge", "split_packed", "merge_packed",
-           "causal_work"]
+__all__ = ["pad_for_cp", "zigzag_indices", "packed_indices", "zigzag_split", "zigzag_merge", "split_packed",
+           "merge_packed", "causal_work"]
 
 
-def _check(length: int, cp: int, rank: int | None = None) -> int:
-    """Validate cp/rank against a row length; return the chunk size L // (2*cp)."""
+def _check_cp(cp: int, rank: int | None = None) -> None:
     if cp < 1:
         raise ConfigError(f"context parallel size cp must be >= 1, got {cp}")
     if rank is not None and not 0 <= rank < cp:
         raise ConfigError(f"cp rank {rank} out of range for cp={cp} (expected 0..{cp - 1})")
+
+
+def _check(length: int, cp: int, rank: int | None = None) -> int:
+    """Validate cp/rank against a sequence length; return the chunk size L // (2*cp)."""
+    _check_cp(cp, rank)
     if length % (2 * cp):
         raise ConfigError(f"length {length} is not divisible by 2*cp={2 * cp}; call pad_for_cp(packed, cp) "
-                          f"(or pack with pad_to_multiple={2 * cp}) before splitting")
+                          f"(or pack with sequence_multiple={2 * cp}) before splitting")
     return length // (2 * cp)
 
 
 def pad_for_cp(packed: dict[str, torch.Tensor], cp: int, pad_id: int = 0,
                ignore_index: int = -100) -> dict[str, torch.Tensor]:
-    """Pad a :func:`pack` output so its length is a multiple of 2*cp, extending the padding segment.
+    """Repack a :func:`pack` output so that every sequence and the row are multiples of 2*cp.
 
-    The padding follows pack's convention (one trailing segment, ids -1, positions counting on).
+    The row keeps at least its length (rounded up to 2*cp; longer when the sequences' own padding
+    needs more room); :func:`split_packed` can then split it.
     """
-    if cp < 1:
-        raise ConfigError(f"context parallel size cp must be >= 1, got {cp}")
-    ids, seg = packed["input_ids"], packed["segment_ids"]
-    length = ids.numel()
-    extra = -length % (2 * cp)
-    out = dict(packed)
-    if not extra:
-        return out
-    dev = ids.device
-    padded_already = length > 0 and int(seg[-1]) < 0
-    first_pos = int(packed["position_ids"][-1]) + 1 if padded_already else 0
-    tail = {
-        "input_ids": torch.full((extra,), pad_id, dtype=ids.dtype, device=dev),
-        "labels": torch.full((extra,), ignore_index, dtype=packed["labels"].dtype, device=dev),
-        "loss_mask": torch.zeros(extra, dtype=torch.bool, device=dev),
-        "position_ids": torch.arange(first_pos, first_pos + extra, dtype=packed["position_ids"].dtype, device=dev),
-        "segment_ids": torch.full((extra,), -1, dtype=seg.dtype, device=dev),
-    }
-    for k, t in tail.items():
-        out[k] = torch.cat([packed[k], t])
-    cu = packed["cu_seqlens"]
-    if padded_already:
-        cu = cu.clone()
-        cu[-1] += extra
-    else:
-        cu = torch.cat([cu, cu.new_tensor([length + extra])])
-    out["cu_seqlens"] = cu
-    out["max_seqlen"] = (cu[1:] - cu[:-1]).max().to(packed["max_seqlen"].dtype)
-    return out
+    _check_cp(cp)
+    m = 2 * cp
+    seqs = unpack(packed)
+    need = sum(-(-s.numel() // m) * m for s in seqs)
+    length = -(-max(packed["input_ids"].numel(), need) // m) * m
+    return pack(seqs, length, pad_id, ignore_index, pad_to_multiple=m, sequence_multiple=m)
 
 
 def zigzag_indices(length: int, cp: int, rank: int, device=None) -> torch.Tensor:
-    """Global positions (int64) that CP ``rank`` holds: chunk ``rank`` then chunk ``2*cp-1-rank``."""
+    """Positions (int64) of one sequence that CP ``rank`` holds: chunk ``rank`` then chunk ``2*cp-1-rank``."""
     c = _check(length, cp, rank)
     lo, hi = rank * c, (2 * cp - 1 - rank) * c
     return torch.cat([torch.arange(lo, lo + c, device=device), torch.arange(hi, hi + c, device=device)])
 
 
+def packed_indices(cu_seqlens_padded: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Row positions (int64) that CP ``rank`` holds of a packed row: for every entry of
+    ``cu_seqlens_padded`` in order, its chunks ``rank`` and ``2*cp-1-rank`` (TransformerEngine's
+    ``thd_get_partitioned_indices``). Every entry's length must be a multiple of 2*cp."""
+    _check_cp(cp, rank)
+    cu = cu_seqlens_padded.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    bad = torch.nonzero(lens % (2 * cp)).flatten()
+    if bad.numel():
+        j = int(bad[0])
+        raise ConfigError(f"entry {j} of the packed row is {int(lens[j])} tokens long, not a multiple of 2*cp={2 * cp}; "
+                          f"pack with sequence_multiple={2 * cp} (or call pad_for_cp(packed, cp)) before splitting")
+    c = lens // (2 * cp)
+    starts = torch.stack([cu[:-1] + rank * c, cu[:-1] + (2 * cp - 1 - rank) * c], 1).flatten()
+    sizes = c.repeat_interleave(2)
+    n = int(sizes.sum())
+    within = torch.arange(n, device=cu.device) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes,
+                                                                         output_size=n)
+    return torch.repeat_interleave(starts, sizes, output_size=n) + within
+
+
 def zigzag_split(tensor: torch.Tensor, cp: int, rank: int, dim: int = -1) -> torch.Tensor:
-    """This rank's zig-zag shard of ``tensor`` along ``dim`` (a new tensor, size L // cp there)."""
+    """This rank's zig-zag shard of one sequence ``tensor`` along ``dim`` (a new tensor, size L // cp there)."""
     c = _check(tensor.shape[dim], cp, rank)
     return torch.cat([tensor.narrow(dim, rank * c, c), tensor.narrow(dim, (2 * cp - 1 - rank) * c, c)], dim)
 
@@ -95,18 +100,20 @@ def zigzag_merge(shards: list[torch.Tensor], dim: int = -1) -> torch.Tensor:
 
 def split_packed(packed: dict[str, torch.Tensor], cp: int, rank: int,
                  token_fields: tuple[str, ...] = PER_TOKEN_FIELDS) -> dict[str, torch.Tensor]:
-    """CP ``rank``'s shard of a packed row: every field in ``token_fields`` split, the rest kept whole.
+    """CP ``rank``'s shard of a packed row: every field in ``token_fields`` split per sequence
+    (:func:`packed_indices`), the rest kept whole.
 
-    Adds ``cp_rank``, ``cp_size`` (0-d int64) and ``token_index`` (the global positions held), so a
-    ring-attention kernel can pair the shard with the global ``cu_seqlens``.
+    Adds ``cp_rank``, ``cp_size`` (0-d int64) and ``token_index`` (the row positions held), so a
+    ring-attention kernel can pair the shard with the global ``cu_seqlens``/``cu_seqlens_padded``.
     """
     length = packed["input_ids"].shape[-1]
     _check(length, cp, rank)
-    out = {k: (zigzag_split(v, cp, rank) if k in token_fields else v) for k, v in packed.items()}
+    idx = packed_indices(packed["cu_seqlens_padded"], cp, rank).to(packed["input_ids"].device)
+    out = {k: (v.index_select(-1, idx) if k in token_fields else v) for k, v in packed.items()}
     dev = packed["input_ids"].device
     out["cp_rank"] = torch.tensor(rank, device=dev)
     out["cp_size"] = torch.tensor(cp, device=dev)
-    out["token_index"] = zigzag_indices(length, cp, rank, device=dev)
+    out["token_index"] = idx
     return out
 
 
@@ -118,21 +125,37 @@ def merge_packed(shards: list[dict[str, torch.Tensor]],
     ranks = [int(s["cp_rank"]) for s in shards]
     if ranks != list(range(len(shards))):
         raise ConfigError(f"merge_packed: shards must be ordered by cp_rank 0..{len(shards) - 1}, got {ranks}")
+    idx = torch.cat([s["token_index"] for s in shards])
+    n = idx.numel()
+    if not torch.equal(torch.sort(idx).values, torch.arange(n, device=idx.device)):
+        raise ConfigError(f"merge_packed: the shards' token_index must cover 0..{n - 1} once each; pass every "
+                          f"CP rank's shard of one row")
     skip = {"cp_rank", "cp_size", "token_index"}
-    return {k: (zigzag_merge([s[k] for s in shards]) if k in token_fields else v)
-            for k, v in shards[0].items() if k not in skip}
+    out = {}
+    for k, v in shards[0].items():
+        if k in skip:
+            continue
+        if k in token_fields:
+            vals = torch.cat([s[k] for s in shards], -1)
+            v = torch.empty_like(vals).index_copy_(-1, idx, vals)
+        out[k] = v
+    return out
 
 
-def causal_work(token_index: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> int:
-    """Causal attention work of a shard: sum over held positions of (position within segment + 1).
+def causal_work(token_index: torch.Tensor, cu_seqlens_padded: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> int:
+    """Causal attention work of a shard: sum over held real positions of (position within sequence + 1).
 
-    ``cu_seqlens=None`` treats the row as one segment; otherwise positions restart at each boundary.
+    ``cu_seqlens_padded=None`` treats the row as one sequence; otherwise positions restart at each
+    entry, and with ``cu_seqlens`` (real lengths) the padding of each entry counts no work.
     """
     idx = token_index.to(torch.int64)
-    if cu_seqlens is None:
-        pos = idx
-    else:
-        cu = cu_seqlens.to(device=idx.device, dtype=torch.int64)
-        seg = torch.searchsorted(cu, idx, right=True) - 1
-        pos = idx - cu[seg]
+    if cu_seqlens_padded is None:
+        return int((idx + 1).sum())
+    cu = cu_seqlens_padded.to(device=idx.device, dtype=torch.int64)
+    seg = torch.searchsorted(cu, idx, right=True) - 1
+    pos = idx - cu[seg]
+    if cu_seqlens is not None:
+        real = cu_seqlens.to(device=idx.device, dtype=torch.int64)
+        pos = pos[pos < (real[1:] - real[:-1])[seg]]
     return int((pos + 1).sum())

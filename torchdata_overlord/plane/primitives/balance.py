@@ -10,6 +10,7 @@ import numpy as np
 from ...errors import ConfigError, OversizeSampleError
 from ..balancing import LEVELS, get_balancer, place
 from ..costs import token_count
+from ..plan import row_cp
 from .cost import evaluate_cost
 
 OVERSIZE_POLICIES = ("error", "truncate", "split", "drop")
@@ -39,7 +40,10 @@ class Balance:
     otherwise samples keep their order in the mixed batch. ``level`` chooses where balancing
     applies (see ``plane/balancing/layout.py``): ``"both"`` (ranks, then microbatches),
     ``"lockstep"``, ``"bucket"`` or ``"microbatch"``; with sequences spanning CP ranks,
-    ``"both"`` becomes ``"lockstep"`` (recorded in the plan's stats).
+    ``"both"`` becomes ``"lockstep"`` (recorded in the plan's stats). Under ``distribute("DP")``
+    on a mesh with cp > 1 the Data Constructor pads every sequence to a multiple of 2*cp before
+    the per-sequence CP split, so ``max_tokens`` and the costs count each sequence at that padded
+    length (and ``max_tokens`` must be at least 2*cp).
     """
 
     def __init__(self, method="karmarkar_karp", microbatches=1, max_tokens=None, intra=False,
@@ -73,6 +77,8 @@ class Balance:
         if self.oversize == "error":
             i = int(over[0])
             where = f"max_tokens={self.max_tokens}" + (f" x cp={cp}" if cp > 1 else "")
+            if limit < self.max_tokens:
+                where += f" (rounded down to {limit}, a multiple of 2*cp: rows are split per sequence over CP ranks)"
             raise OversizeSampleError(
                 f"step {g.step}: sample {recs.key(i)} has {int(tokens[i])} tokens, over {where} "
                 f"({len(over)} such samples this step); spread long sequences over CP ranks with distribute('CP'), "
@@ -93,22 +99,36 @@ class Balance:
         tok = np.minimum(tokens[row] - piece * limit, limit)
         return row, tok, piece, np.repeat(npieces, npieces), stats
 
+    def _row_multiple(self, g) -> int:
+        """2*cp when the constructor splits each bucket's rows over CP ranks per sequence, else 1."""
+        cp = row_cp(g.layout.tree, g.layout.axis)
+        if cp == 1:
+            return 1
+        if self.max_tokens is not None and self.max_tokens < 2 * cp:
+            raise ConfigError(f"balance(): max_tokens={self.max_tokens} cannot hold a sequence split over cp={cp} "
+                              f"ranks, which takes a multiple of 2*cp={2 * cp} tokens; raise max_tokens")
+        return 2 * cp
+
     def apply(self, g):
         if g.layout is None:
             raise ConfigError("balance() needs buckets: call distribute('DP'|'CP'|'WORLD') before balance()")
         lay = g.layout
         cp = lay.tree.sizes.get("cp", 1) if lay.axis == "cp" else 1
+        mult = self._row_multiple(g)
         # a sequence spanning k CP ranks gives each a zig-zag shard of 2 * ceil(n / 2k) tokens, so
         # one rank holds at most `even` tokens of it and a sequence may span at most cp ranks
         even = None if self.max_tokens is None else 2 * (self.max_tokens // 2)
         limit = None if self.max_tokens is None else (self.max_tokens if cp == 1 else max(self.max_tokens, even * cp))
+        if limit is not None:
+            limit -= limit % mult               # a CP-split row's pieces stay whole multiples of 2*cp
         cost_fn = g.cost_fn or token_count
         costs = g.costs if g.costs is not None else evaluate_cost(cost_fn, g.records)
         row, tok, piece, npieces, ostats = self._oversize(g, limit, cp)
+        laid = -(-tok // mult) * mult           # the tokens each piece takes in its packed row
         item_cost = costs[row]
-        changed = tok != g.records.tokens[row]
-        if changed.any():  # re-cost truncated pieces with the same model
-            sub = dataclasses.replace(g.records.take(row[changed]), tokens=tok[changed])
+        changed = laid != g.records.tokens[row]
+        if changed.any():  # re-cost truncated, split and CP-padded pieces with the same model
+            sub = dataclasses.replace(g.records.take(row[changed]), tokens=laid[changed])
             item_cost = item_cost.copy()
             item_cost[changed] = evaluate_cost(cost_fn, sub)
         span, level = None, self.level
@@ -116,7 +136,7 @@ class Balance:
             span = np.where(tok > self.max_tokens, -(-tok // max(even, 1)), 1)
             if level == "both" and (span > 1).any():
                 level = "lockstep"   # sequences spanning CP ranks need the pooled (bucket, microbatch) bins
-        pl = place(item_cost, tok, n_buckets=len(lay.buckets), microbatches=self.microbatches, method=self.method,
+        pl = place(item_cost, laid, n_buckets=len(lay.buckets), microbatches=self.microbatches, method=self.method,
                    cap=self.max_tokens, level=level, equal_counts=self.equal_counts, groups=lay.groups,
                    span=span, cp=cp)
         it = pl.item
