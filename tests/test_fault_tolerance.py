@@ -159,3 +159,21 @@ def test_random_roles_killed_at_random_steps_in_process(corpus, tmp_path):
         finally:
             job.close()
             t.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("faults", [
+    [{"step": 5, "spare": [0]}, {"step": 15, "kill": ["planner"]}],
+    # no spare killed by hand: the first shadow's replacement dies with the promoted one
+    [{"step": 10, "kill": ["loader:web"]}, {"step": 25, "kill": ["loader:web", "shadow:web"]},
+     {"step": 40, "kill": ["planner"]}]], ids=["spare-by-hand", "shadows-then-planner"])
+def test_a_dead_spare_is_skipped_when_the_planner_is_replaced(corpus, tmp_path, faults):
+    """Issue 11 item 4: once a spare process is dead, the Planner killed next must be replaced on a
+    live spare (it raised ``ConfigError: actor 'planner#1' was placed on worker 7, not 8``)."""
+    steps = faults[-1]["step"] + 10
+    rep = run(corpus, tmp_path, steps=steps, spares=4, prefetch=4, faults=faults)
+    assert rep["error"] is None, rep["error"]
+    assert rep["digests"] == reference(corpus, 2, steps)
+    assert [r["kind"] for r in rep["recoveries"]][-1] == "planner"
+    killed = [e["pid"] for e in rep["events"] if "killed" in e]
+    assert not set(rep["roles"].values()) & set(killed)
