@@ -177,3 +177,47 @@ def test_a_dead_spare_is_skipped_when_the_planner_is_replaced(corpus, tmp_path, 
     assert [r["kind"] for r in rep["recoveries"]][-1] == "planner"
     killed = [e["pid"] for e in rep["events"] if "killed" in e]
     assert not set(rep["roles"].values()) & set(killed)
+
+
+_IN_PROCESS: dict = {}          # key -> InProcessTransport (a strategy must pickle: it names its transport by key)
+
+
+class KillWhilePlanning:
+    """vlm_strategy that, while the Planner plans step ``step``, kills ``actors`` of an in-process job:
+    they die after the Planner read their metadata and before they deliver the step."""
+
+    def __init__(self, key: str, step: int, actors: list[str]):
+        self.key, self.step, self.actors, self.done = key, step, list(actors), False
+
+    def __call__(self, g):
+        from test_rpc_job import vlm_strategy
+        if g.step == self.step and not self.done:
+            self.done = True
+            for a in self.actors:
+                _IN_PROCESS[self.key].kill(a)
+        return vlm_strategy(g)
+
+
+def test_loader_and_shadow_lost_mid_delivery_are_restored_from_the_checkpoint(corpus, tmp_path):
+    """A loader and its shadow that die between the Planner's metadata and delivery calls are
+    restored at the state after the last completed step (the Planner's step counter has already moved
+    on: restoring at it asked for a consumption log that does not exist yet, and raised RoleLost)."""
+    from test_rpc_job import job_kwargs, make_mesh, make_sources, vlm_strategy
+
+    steps = 9
+    ref = LocalJob(make_sources(corpus), vlm_strategy, make_mesh(), **job_kwargs(corpus))
+    expected = [ref.step().outputs for _ in range(steps)]
+    ref.close()
+    t = _IN_PROCESS["mid-delivery"] = InProcessTransport()
+    job = RpcJob(make_sources(corpus), KillWhilePlanning("mid-delivery", 4, ["loader:web", "shadow:web"]), make_mesh(),
+                 transport=t, shadows=True, spares=2, checkpoint_dir=str(tmp_path / "ckpt"), snapshot_every=3,
+                 timeout=10, **job_kwargs(corpus))
+    try:
+        for k in range(steps):
+            assert_identical(job.step().outputs, expected[k])
+        events = job.stats()["planner"]["recoveries"]
+        assert [e["how"] for e in events] == ["restored on a spare process (snapshot of step 3 + 1 replayed steps)"]
+    finally:
+        job.close()
+        t.stop()
+        _IN_PROCESS.pop("mid-delivery")

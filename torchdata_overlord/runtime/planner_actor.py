@@ -384,7 +384,9 @@ class PlannerActor(_Role):
             name = self._new_name(loader_actor(source))
             try:
                 self._start_loader(name, source)
-                restored = self._restore_loader(name, source, self.planner.step, state)
+                # ``state`` is the one after the last completed step (``step`` steps planned): during a
+                # delivery the Planner's own counter has already moved on to the next step
+                restored = self._restore_loader(name, source, step, state)
             except (_FAILURES + (RoleLost,)) as e:
                 raise RoleLost(f"source {source!r}: its loader {old!r} failed at step {step} ({err}) and could not be "
                                f"replaced: {e}") from e
