@@ -6,6 +6,7 @@ embedded runtime in this process. The in-process test kills random roles at rand
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -221,3 +222,36 @@ def test_loader_and_shadow_lost_mid_delivery_are_restored_from_the_checkpoint(co
         job.close()
         t.stop()
         _IN_PROCESS.pop("mid-delivery")
+
+
+ROLES = ["planner", "loader:web", "loader:caps", "shadow:web", "shadow:caps", "constructor:0", "constructor:1"]
+
+
+def test_stats_keep_role_names_after_recoveries(corpus, tmp_path):
+    """Issue 11 item 11: after a recovery ``stats()["roles"]`` keeps every role's name (the promoted
+    shadow is listed as ``loader:web``, the new shadow as ``shadow:web``), and ``role_recovery`` says
+    which actor serves it and how many times it was replaced."""
+    from test_rpc_job import job_kwargs, make_mesh, make_sources, vlm_strategy
+
+    t = InProcessTransport()
+    job = RpcJob(make_sources(corpus), vlm_strategy, make_mesh(), transport=t, shadows=True, spares=2,
+                 checkpoint_dir=str(tmp_path / "ckpt"), snapshot_every=3, timeout=10, **job_kwargs(corpus))
+    try:
+        job.step()
+        names = set(job.stats()["roles"])
+        assert names == set(ROLES)
+        faults.kill_roles(job, ["loader:web", "constructor:1"])
+        for _ in range(3):
+            job.step()
+        st = job.stats()
+        assert set(st["roles"]) == names and set(st["constructors"]) == {"constructor:0", "constructor:1"}
+        rec = st["role_recovery"]
+        assert {r: v["recoveries"] for r, v in rec.items()} == {
+            "planner": 0, "loader:web": 1, "shadow:web": 1, "loader:caps": 0, "shadow:caps": 0, "constructor:0": 0,
+            "constructor:1": 1}
+        assert rec["loader:web"]["actor"] == "shadow:web" and rec["shadow:web"]["actor"].startswith("shadow:web#")
+        assert rec["constructor:1"]["actor"].startswith("constructor:1#") and rec["planner"]["actor"] == "planner"
+        assert all(v["pid"] == os.getpid() == st["roles"][r] for r, v in rec.items())
+    finally:
+        job.close()
+        t.stop()

@@ -105,6 +105,7 @@ class PlannerActor(_Role):
         self.where: dict[str, str] = {}                # replacements' placement, for the clients and loaders
         self.loader_state: dict[str, dict] = {}        # each source's state after the last completed step
         self.renames = 0
+        self.replaced: dict[str, int] = collections.defaultdict(int)   # role ("loader:web") -> replacements
         self._spare_rr = 0
         self.dead_spares: set[str] = set()
         self.starting: dict[str, tuple] = {}          # source -> (shadow name, worker, future) being started
@@ -391,6 +392,7 @@ class PlannerActor(_Role):
                 raise RoleLost(f"source {source!r}: its loader {old!r} failed at step {step} ({err}) and could not be "
                                f"replaced: {e}") from e
             self.active[source], how = name, f"restored on a spare process ({restored})"
+        self.replaced[loader_actor(source)] += 1
         self._event("loader", old, step, t0, how, err)
         self._ensure_shadow(source)
 
@@ -458,6 +460,7 @@ class PlannerActor(_Role):
                 continue
             self.where[name] = worker
             self.shadow[source] = name
+            self.replaced[shadow_actor(source)] += 1
             self._follow(source, self.planner.step)
 
     def _follow(self, source: str, version: int) -> None:
@@ -473,6 +476,7 @@ class PlannerActor(_Role):
         except (_FAILURES + (RoleLost,)) as e:
             raise RoleLost(f"constructor {c} failed at step {step} ({err}) and could not be replaced: {e}") from e
         self.constructor_names[c] = name
+        self.replaced[constructor_actor(c)] += 1
         return name
 
     def _replace_constructor(self, c: int, step: int, err: BaseException) -> None:
@@ -520,6 +524,8 @@ class PlannerActor(_Role):
         self.active, self.shadow = dict(roles["active"]), dict(roles["shadow"])
         self.constructor_names, self.where = list(roles["constructors"]), dict(roles["where"])
         self.renames, self.gen = int(roles["renames"]), int(newest[1]["gen"])
+        self.replaced.update(roles.get("replaced", {}))
+        self.replaced[PLANNER_KEY] += 1
         self.peers.learn(dict(self.where))
         self.planner.load_state_dict(ck["planner"])
         loaders = {}
@@ -534,6 +540,7 @@ class PlannerActor(_Role):
                 self._start_loader(name, s)
                 loaders[s] = self._call(name, "restore", self.gen, snap[1], snap[2]).result(self.timeout * 4)
                 self.active[s] = name
+                self.replaced[loader_actor(s)] += 1
                 self._event("loader", old, version, t1, "restored on a spare process with the Planner", e)
         state = {LocalJob.PLANNER: ck["planner"], LocalJob.LOADERS: loaders, LocalJob.FEEDBACK: ck["feedback"]}
         self._reset(state)
@@ -542,8 +549,9 @@ class PlannerActor(_Role):
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _roles(self) -> dict:
+        """Who serves where (checkpointed: a replacement Planner continues from it)."""
         return {"active": dict(self.active), "shadow": dict(self.shadow), "constructors": list(self.constructor_names),
-                "where": dict(self.where), "renames": self.renames}
+                "where": dict(self.where), "renames": self.renames, "replaced": dict(self.replaced)}
 
     def _checkpoint(self, version: int, state: dict, consumed: Mapping[str, list]) -> None:
         if self.store is None:
@@ -581,9 +589,10 @@ class PlannerActor(_Role):
         return self._current_state()
 
     def roles(self) -> dict:
-        """Every serving role -> where it lives (replacements), and the shadows."""
+        """Every serving role -> where it lives (replacements), the shadows, and how many times each
+        role (``"planner"``, ``"loader:<source>"``, ...) was taken over by a replacement."""
         return {"loaders": dict(self.active), "shadows": dict(self.shadow), "constructors": list(self.constructor_names),
-                "where": dict(self.where)}
+                "where": dict(self.where), "replaced": dict(self.replaced)}
 
     def stats(self) -> dict:
         return {"generation": self.gen, "next_step": self.planner.step, "released_below": self.released,

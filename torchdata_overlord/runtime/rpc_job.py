@@ -629,40 +629,48 @@ class RpcJob:
                     self._recover(e, self._next)
             return self._call(self.planner_name, method, *args).result(self.timeout + 5)
 
-    def _serving(self) -> list[str]:
-        """Every actor that serves now (replacements included), asking the Planner."""
+    def _serving(self) -> tuple[dict[str, str], dict]:
+        """Every role that serves now -> its actor (a replacement's name), asking the Planner. Roles keep
+        their names across recoveries: ``planner``, ``loader:<source>``, ``shadow:<source>``, ``constructor:<i>``."""
         info = self._ask_planner("roles")
         self._learn(info["where"])
-        shadows = [a for a in info["shadows"].values() if a]
-        return [self.planner_name] + list(info["loaders"].values()) + list(info["constructors"]) + shadows, info
+        roles = {PLANNER: self.planner_name, **{loader_actor(n): a for n, a in info["loaders"].items()},
+                 **{constructor_actor(c): a for c, a in enumerate(info["constructors"])},
+                 **{shadow_actor(n): a for n, a in info["shadows"].items() if a}}
+        return roles, info
 
     def stats(self) -> dict:
         """Per-source loader stats, Planner and constructor queue depths, recoveries, each role's process
-        and memory, and this client's failures and reissued requests. A role that does not answer within
-        the call timeout (busy with a long fill, or failed) is listed in ``"unanswered"`` and its entry is
+        and memory, and this client's failures and reissued requests. Roles keep their names after a
+        recovery (``"roles"``: role -> its current pid; ``"role_recovery"``: role -> the actor serving it,
+        its pid and how many times a replacement took it over). A role that does not answer within the
+        call timeout (busy with a long fill, or failed) is listed in ``"unanswered"`` and its entry is
         ``{"error": ...}``: diagnostics never stop the training loop."""
-        actors, info = self._serving()
-        futs = {(kind, a): self._call(a, kind) for kind in ("stats", "process") for a in actors}
+        roles, info = self._serving()
+        futs = {(kind, r): self._call(a, kind) for kind in ("stats", "process") for r, a in roles.items()}
         cf.wait(list(futs.values()), timeout=self.timeout + 5)
         got, unanswered = {}, {}
-        for (kind, a), fut in futs.items():
+        for (kind, r), fut in futs.items():
             try:
-                got[kind, a] = fut.result(timeout=0)
+                got[kind, r] = fut.result(timeout=0)
             except (ActorDied, CallTimeout, cf.TimeoutError) as e:   # a busy or failed role: said, not raised
-                unanswered[a] = f"{type(e).__name__}: {e}"
+                unanswered[r] = f"{type(e).__name__}: {e}"
 
-        def of(a):
-            return got.get(("stats", a)) or {"error": unanswered.get(a, "no answer")}
+        def of(r):
+            return got.get(("stats", r)) or {"error": unanswered.get(r, "no answer")}
 
-        roles = {a: got["process", a]["pid"] for a in actors if ("process", a) in got}
+        pids = {r: got["process", r]["pid"] for r in roles if ("process", r) in got}
         procs = {m["pid"]: m for (kind, _), m in got.items() if kind == "process"}
         procs[os.getpid()] = process_memory()
-        pids = getattr(self.transport, "worker_pids", [])
-        spare_pids = pids[self.n_workers:] if self.client == 0 and self.spares else []
-        return {"sources": {n: of(a) for n, a in info["loaders"].items()}, "planner": of(self.planner_name),
+        worker_pids = getattr(self.transport, "worker_pids", [])
+        spare_pids = worker_pids[self.n_workers:] if self.client == 0 and self.spares else []
+        replaced = info.get("replaced", {})
+        return {"sources": {n: of(loader_actor(n)) for n in info["loaders"]}, "planner": of(PLANNER),
                 "client": {"client": self.client, "fetches": self.fetches, "faults": copy.deepcopy(self.faults)},
-                "constructors": {a: of(a) for a in info["constructors"]},
-                "roles": roles, "processes": procs, "spares": spare_pids, "unanswered": unanswered}
+                "constructors": {r: of(r) for r in roles if r.startswith("constructor:")},
+                "roles": pids, "processes": procs, "spares": spare_pids, "unanswered": unanswered,
+                "role_recovery": {r: {"actor": a, "pid": pids.get(r), "recoveries": replaced.get(r, 0)}
+                                  for r, a in roles.items()}}
 
     def close(self) -> None:
         """Leave the job. A client of a launched job or of a trainer group tells its coordinator and
@@ -681,7 +689,7 @@ class RpcJob:
                     log.warning("closing the roles while client(s) %s have not left after %g s", missing,
                                 self.timeout)
                 try:
-                    actors = self._serving()[0]
+                    actors = list(self._serving()[0].values())
                     replaced = self._call(self.planner_name, "stats").result(self.timeout)["recoveries"]
                     if (replaced or self.faults["recoveries"]) and hasattr(self.transport, "mark_unhealthy"):
                         self.transport.mark_unhealthy()      # a replaced role may be frozen: no graceful wait
