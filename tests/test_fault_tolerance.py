@@ -180,6 +180,31 @@ def test_a_dead_spare_is_skipped_when_the_planner_is_replaced(corpus, tmp_path, 
     assert not set(rep["roles"].values()) & set(killed)
 
 
+@pytest.mark.slow
+def test_replacements_spread_over_spares_and_shadows_come_back(corpus, tmp_path):
+    """Issue 11 item 5. With two role processes, the Planner's process also hosts a loader, a
+    constructor and the other source's shadow: all four are replaced, each on its own spare, the
+    shadow re-created; a second kill of the other role process spreads its three roles the same way.
+    Item 11: roles keep their names, with their current pid and recovery count."""
+    steps = 30
+    rep = run(corpus, tmp_path, steps=steps, spares=4, prefetch=3, n_workers=2,
+              faults=[{"step": 8, "kill": ["planner"]}, {"step": 18, "kill": ["loader:web"]}])
+    assert rep["error"] is None, rep["error"]
+    assert rep["digests"] == reference(corpus, 2, steps)
+    roles = rep["roles"]
+    assert set(roles) == {"planner", "loader:web", "loader:caps", "shadow:web", "shadow:caps", "constructor:0",
+                          "constructor:1"}
+    killed = {e["pid"] for e in rep["events"] if "killed" in e}
+    assert len(killed) == 2 and not killed & set(roles.values())
+    assert roles["shadow:web"] != roles["loader:web"] and roles["shadow:caps"] != roles["loader:caps"]
+    load = {pid: list(roles.values()).count(pid) for pid in rep["spares"]}
+    assert set(roles.values()) <= set(load) and max(load.values()) - min(load.values()) <= 1, (roles, load)
+    counts = {r: v["recoveries"] for r, v in rep["role_recovery"].items()}
+    assert counts == {"planner": 1, "loader:caps": 1, "constructor:1": 1, "shadow:web": 2,
+                      "loader:web": 1, "constructor:0": 1, "shadow:caps": 1}, rep["role_recovery"]
+    assert all(rep["role_recovery"][r]["pid"] == pid for r, pid in roles.items())
+
+
 _IN_PROCESS: dict = {}          # key -> InProcessTransport (a strategy must pickle: it names its transport by key)
 
 
@@ -225,6 +250,41 @@ def test_loader_and_shadow_lost_mid_delivery_are_restored_from_the_checkpoint(co
 
 
 ROLES = ["planner", "loader:web", "loader:caps", "shadow:web", "shadow:caps", "constructor:0", "constructor:1"]
+
+
+def random_faults(rng: random.Random, spares: int, steps: int) -> list[dict]:
+    """Kills of spares, shadows and primaries (as they serve at that moment), one or two at a time at
+    random steps: ``spares - 1`` in all, as many as the spares allow (each kill takes at most one
+    process, and every replacement needs a live spare)."""
+    budget, step, out = spares - 1, 1, []
+    while budget:
+        step += rng.randint(3, 6)
+        if step >= steps - 4:
+            break
+        picks = rng.sample(ROLES + [f"spare:{i}" for i in range(spares)], min(budget, rng.choice([1, 1, 2])))
+        budget -= len(picks)
+        out.append({"step": step, "kill": [p for p in picks if not p.startswith("spare:")],
+                    "spare": [int(p.split(":")[1]) for p in picks if p.startswith("spare:")]})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", range(2))
+def test_random_kills_of_spares_shadows_and_primaries_change_nothing(corpus, tmp_path, example):
+    """Issue 11 item 4, randomised: whatever dies in whatever order, the stream is the clean run's and
+    no serving role is left on a dead process. Replay a failure with OVERLORD_FAULT_SEED=<seed>."""
+    seed = int(os.environ.get("OVERLORD_FAULT_SEED", random.randrange(2 ** 32)))
+    steps, spares = 32, 4
+    plan = random_faults(random.Random(seed), spares, steps)
+    print(f"seed {seed}: faults {plan}")
+    rep = run(corpus, tmp_path, steps=steps, spares=spares, prefetch=3, faults=plan, skip_missing=True)
+    where = f"seed {seed}, faults {plan}, events {rep['events']}"
+    assert rep["error"] is None, f"{rep['error']} ({where})"
+    assert rep["digests"] == reference(corpus, 2, steps), where
+    killed = {e["pid"] for e in rep["events"] if "killed" in e}
+    assert killed, where                             # the first kill always finds its target
+    assert set(ROLES) - {"shadow:web", "shadow:caps"} <= set(rep["roles"]), where
+    assert not killed & set(rep["roles"].values()), where
 
 
 def test_stats_keep_role_names_after_recoveries(corpus, tmp_path):

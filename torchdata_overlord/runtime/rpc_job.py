@@ -42,9 +42,10 @@ from ..sources.parquet import ParquetSource
 from .actors import (PLANNER, ConstructorActor, JobReset, LoaderActor, constructor_actor, loader_actor,
                      role_names, shadow_actor)
 from .checkpoint_store import CheckpointStore
-from .planner_actor import FaultPolicy, PlannerActor, RoleLost
+from .planner_actor import PLANNER_KEY, FaultPolicy, PlannerActor, RoleLost
 from .local import LocalJob, StepResult, source_settings
 from .procstats import process_memory
+from .spares import serving, spare_order
 from .transport import ActorDied, CallTimeout, Transport, check_timeout, settle
 
 __all__ = ["RpcJob", "SourceSpec", "RoleConfig", "start_roles"]
@@ -376,8 +377,8 @@ class RpcJob:
     def _spare_names(self) -> list[str]:
         """Where replacements start: the spare workers (any name in one process)."""
         from ._rpc_worker import worker_name
-        if not hasattr(self.transport, "place"):
-            return ["in-process"] if self.spares else []
+        if not hasattr(self.transport, "place"):       # names only: where the Planner would place them
+            return [f"in-process-spare-{i}" for i in range(self.spares)]
         return [worker_name(self.n_workers + i) for i in range(self.spares)]
 
     # ------------------------------------------------------------------------------ calls
@@ -577,28 +578,37 @@ class RpcJob:
             raise RoleLost(f"the Planner failed ({err}) and cannot be replaced: give the job spares= and "
                            f"checkpoint_dir=") from err
         self._planners += 1
-        n = self._planners
-        name, cfg = f"{PLANNER}#{n}", self.cfg
-        args = (cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors, cfg.clients,
-                cfg.timeout, self.transport.peers(), cfg.policy(spares))
+        name, cfg = f"{PLANNER}#{self._planners}", self.cfg
+        home, dead = None, set()           # the new Planner's spare; spares known or found dead
         if not hasattr(self.transport, "place"):
-            self.transport.start_actor(name, PlannerActor, *args)
+            self.transport.start_actor(name, PlannerActor, *self._planner_args(spares))
         else:
-            from ._rpc_worker import worker_index
-            for k in range(len(spares)):      # the next live spare
-                i = worker_index(spares[(n - 1 + k) % len(spares)])
+            from ._rpc_worker import worker_index, worker_name
+            dead.add(worker_name(self.transport.worker_of(self.planner_name)))
+            newest = cfg.store().latest(PLANNER_KEY)
+            roles = newest[1]["roles"] if newest is not None else {}
+            dead.update(roles.get("dead_spares", []))
+            for w in spare_order(spares, serving(roles) if roles else {}, dead):      # the least-loaded live spare
+                live = [s for s in spares if s not in dead]
                 try:
-                    self.transport.start_actor(name, PlannerActor, *args, worker=i)
+                    self.transport.start_actor(name, PlannerActor, *self._planner_args(live), worker=worker_index(w))
+                    home = w
                     break
-                except ActorDied:
-                    continue
+                except (ActorDied, CallTimeout):
+                    dead.add(w)
             else:
-                raise RoleLost(f"the Planner failed ({err}) and every spare process is dead") from err
-        info = self._call(name, "recover").result(self.recovery_timeout)
+                raise RoleLost(f"the Planner failed ({err}) and no spare process can host a new one (dead: "
+                               f"{sorted(dead)})") from err
+        info = self._call(name, "recover", home).result(self.recovery_timeout)
         self.planner_name = name
         self._learn(info["where"])
         if self._registry is not None:
             self._registry.moved(name, self.transport.worker_of(name))
+
+    def _planner_args(self, spares: list) -> tuple:
+        cfg = self.cfg
+        return (cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors, cfg.clients,
+                cfg.timeout, self.transport.peers(), cfg.policy(spares))
 
     def step(self, ranks: Iterable[int] | None = None) -> StepResult:
         """Plan and build the next step for ``ranks`` (all ranks when None)."""
