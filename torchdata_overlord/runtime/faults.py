@@ -1,5 +1,5 @@
 """Failure injection for tests and benchmarks: kill a named role (SIGKILL), freeze it (SIGSTOP, so only
-a call's timeout can tell), thaw it, or corrupt its newest checkpoint.
+a call's timeout can tell), thaw it, or corrupt its newest checkpoint; kill a spare process.
 
 Roles are named as the Planner serves them *now*: ``"planner"``, ``"loader:<source>"`` (the source's
 current primary, a promoted shadow included), ``"shadow:<source>"``, ``"constructor:<i>"``. A job is an
@@ -16,7 +16,7 @@ import signal
 from ..errors import ConfigError
 from .checkpoint_store import CheckpointStore
 
-__all__ = ["resolve", "role_pid", "kill_role", "kill_roles", "freeze_role", "thaw", "corrupt_newest"]
+__all__ = ["resolve", "role_pid", "kill_role", "kill_roles", "kill_spare", "freeze_role", "thaw", "corrupt_newest"]
 
 
 def _job(job):
@@ -64,6 +64,16 @@ def kill_roles(job, roles: list[str]) -> list[int]:
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     return pids
+
+
+def kill_spare(job, i: int) -> int:
+    """SIGKILL spare process ``i`` (as listed in ``stats()["spares"]``), whatever it hosts; returns its pid."""
+    job = _job(job)
+    pids = getattr(job.transport, "worker_pids", [])[job.n_workers:]
+    if not 0 <= i < len(pids):
+        raise ConfigError(f"no spare process {i}: this job has {len(pids)} spare processes")
+    os.kill(pids[i], signal.SIGKILL)
+    return pids[i]
 
 
 def freeze_role(job, role: str) -> int:

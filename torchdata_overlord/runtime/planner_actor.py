@@ -41,6 +41,7 @@ from ..roles.planner import Planner
 from .actors import (ConstructorActor, JobClosed, JobReset, LoaderActor, _fail_all, _Role, constructor_actor, gather,
                      loader_actor, shadow_actor)
 from .local import LocalJob, SourceExhausted
+from .spares import serving, spare_order
 from .transport import ActorDied, CallTimeout, settle
 
 __all__ = ["PlannerActor", "FaultPolicy", "RoleLost"]
@@ -105,9 +106,12 @@ class PlannerActor(_Role):
         self.where: dict[str, str] = {}                # replacements' placement, for the clients and loaders
         self.loader_state: dict[str, dict] = {}        # each source's state after the last completed step
         self.renames = 0
-        self._spare_rr = 0
+        self.replaced: dict[str, int] = collections.defaultdict(int)   # role ("loader:web") -> replacements
+        self.home: str | None = None                   # this Planner's worker when it is a replacement on a spare
         self.dead_spares: set[str] = set()
         self.starting: dict[str, tuple] = {}          # source -> (shadow name, worker, future) being started
+        self.shadow_died: set[tuple[str, str]] = set()  # (source, shadow) whose follow() found it dead
+        self.shadowless: set[str] = set()              # sources warned about: no spare can host their shadow
         self.events: list[dict] = []                   # failures handled: what, role, step, seconds, how
 
     def _call(self, actor: str, method: str, *args, timeout: float | None = None) -> cf.Future:
@@ -345,24 +349,21 @@ class PlannerActor(_Role):
             todo = again
         return out
 
-    def _spawn_on_spare(self, name: str, factory, args: tuple, avoid: str | None = None) -> str:
-        """Start ``name`` on the next live spare process (round robin, ``avoid`` last); returns it."""
-        spares = [w for w in self.policy.spares if w not in self.dead_spares]
-        if not spares:
-            raise RoleLost("no spare process left to start a replacement on; start the job with more spares")
-        k = self._spare_rr
-        order = [spares[(k + i) % len(spares)] for i in range(len(spares))]
-        order = [w for w in order if w != avoid] + [w for w in order if w == avoid]
+    def _spawn_on_spare(self, name: str, factory, args: tuple, avoid: tuple = ()) -> str:
+        """Start ``name`` on the least-loaded live spare process not in ``avoid`` (see
+        :mod:`~torchdata_overlord.runtime.spares`); a spare that cannot start it is dead. Returns it."""
+        order = spare_order(self.policy.spares, serving(self._roles()), self.dead_spares, avoid)
         for w in order:
-            self._spare_rr += 1
             try:
                 self.peers.spawn(name, factory, args, w)
-            except ActorDied:
-                self.dead_spares.add(w)      # a spare that died with an earlier replacement
+            except _FAILURES:
+                self.dead_spares.add(w)      # killed, or died with an earlier replacement
                 continue
             self.where[name] = w
             return w
-        raise RoleLost(f"every spare process is dead ({sorted(self.dead_spares)}); none can host {name!r}")
+        raise RoleLost(f"no live spare process can host {name!r} (spares {self.policy.spares}, dead "
+                       f"{sorted(self.dead_spares)}, not beside {sorted(a for a in avoid if a)}); start the job with "
+                       f"more spares")
 
     def _new_name(self, base: str) -> str:
         self.renames += 1
@@ -384,17 +385,25 @@ class PlannerActor(_Role):
             name = self._new_name(loader_actor(source))
             try:
                 self._start_loader(name, source)
-                restored = self._restore_loader(name, source, self.planner.step, state)
+                # ``state`` is the one after the last completed step (``step`` steps planned): during a
+                # delivery the Planner's own counter has already moved on to the next step
+                restored = self._restore_loader(name, source, step, state)
             except (_FAILURES + (RoleLost,)) as e:
                 raise RoleLost(f"source {source!r}: its loader {old!r} failed at step {step} ({err}) and could not be "
                                f"replaced: {e}") from e
             self.active[source], how = name, f"restored on a spare process ({restored})"
+        self.replaced[loader_actor(source)] += 1
         self._event("loader", old, step, t0, how, err)
         self._ensure_shadow(source)
 
-    def _start_loader(self, name: str, source: str, avoid: str | None = None) -> None:
-        self._spawn_on_spare(name, LoaderActor, (*self.policy.loader_args[source], self.peers, self.store,
-                                                 self.policy.snapshot_every), avoid)
+    def _start_loader(self, name: str, source: str) -> None:
+        """A new primary for ``source`` on a spare, never on its shadow's process."""
+        shadow = self.shadow.get(source)
+        avoid = (self.where.get(shadow) if shadow else None, self.starting.get(source, (None, None, None))[1])
+        self._spawn_on_spare(name, LoaderActor, self._loader_args(source), avoid)
+
+    def _loader_args(self, source: str) -> tuple:
+        return (*self.policy.loader_args[source], self.peers, self.store, self.policy.snapshot_every)
 
     def _restore_loader(self, name: str, source: str, version: int, state: dict | None) -> str:
         """Bring loader ``name`` to ``source``'s state at ``version`` (steps planned): from its last
@@ -426,42 +435,55 @@ class PlannerActor(_Role):
         return snap[0], snap[1], consumed
 
     def _ensure_shadow(self, source: str) -> None:
-        """Start a new shadow for ``source`` on a spare, without waiting (it is adopted once it exists)."""
+        """Start a new shadow for ``source`` on the least-loaded live spare that does not host its
+        primary, without waiting (it is adopted once it exists)."""
         if not self.policy.shadows or self.shadow.get(source) is not None or source in self.starting:
             return
-        spares = [w for w in self.policy.spares if w not in self.dead_spares]
-        avoid = self.where.get(self.active[source])
-        spares = [w for w in spares if w != avoid] or spares
-        if not spares:
-            log.warning("source %r runs without a shadow: no spare process left", source)
+        order = spare_order(self.policy.spares, serving(self._roles()), self.dead_spares,
+                            [self.where.get(self.active[source])])
+        if not order:
+            if source not in self.shadowless:
+                self.shadowless.add(source)
+                log.warning("source %r runs without a shadow: no live spare process except its primary's (a "
+                            "failure restores it from the checkpoint instead)", source)
             return
-        worker = spares[self._spare_rr % len(spares)]
-        self._spare_rr += 1
         name = self._new_name(shadow_actor(source))
-        fut = self.peers.spawn_async(name, LoaderActor, (*self.policy.loader_args[source], self.peers, self.store,
-                                                         self.policy.snapshot_every), worker)
-        self.starting[source] = (name, worker, fut)
+        self.starting[source] = (name, order[0], self.peers.spawn_async(name, LoaderActor, self._loader_args(source),
+                                                                        order[0]))
 
     def _adopt_shadows(self) -> None:
-        """Shadows started earlier that now exist become the standby of their source."""
+        """Keep a shadow for every source: forget shadows found dead, adopt those started earlier that
+        now exist, start new ones where a source has none (after any recovery)."""
+        for source, name in list(self.shadow_died):
+            self.shadow_died.discard((source, name))
+            if self.shadow.get(source) == name:
+                log.warning("source %r: its shadow %r died; starting a new one", source, name)
+                self.shadow[source] = None
         for source, (name, worker, fut) in list(self.starting.items()):
             if not fut.done():
                 continue
             del self.starting[source]
             if fut.exception() is not None:
-                if isinstance(fut.exception(), ActorDied):
+                if isinstance(fut.exception(), _FAILURES):
                     self.dead_spares.add(worker)
                 log.warning("source %r: its new shadow did not start (%s); trying again", source, fut.exception())
-                self._ensure_shadow(source)
                 continue
             self.where[name] = worker
             self.shadow[source] = name
+            self.replaced[shadow_actor(source)] += 1
             self._follow(source, self.planner.step)
+        for source in self.sources:
+            self._ensure_shadow(source)
 
     def _follow(self, source: str, version: int) -> None:
         shadow = self.shadow.get(source)
         if shadow is not None and source in self.loader_state:
-            self._call(shadow, "follow", version, self.loader_state[source])   # fire and forget: checked on promote
+            # fire and forget: a dead shadow is noticed here and replaced at the next step; a frozen one on promote
+            def died(f: cf.Future) -> None:
+                if isinstance(f.exception(), ActorDied):
+                    self.shadow_died.add((source, shadow))
+
+            self._call(shadow, "follow", version, self.loader_state[source]).add_done_callback(died)
 
     # -- constructors -----------------------------------------------------------------------------
     def _start_constructor(self, c: int, step: int, err: BaseException) -> str:
@@ -471,6 +493,7 @@ class PlannerActor(_Role):
         except (_FAILURES + (RoleLost,)) as e:
             raise RoleLost(f"constructor {c} failed at step {step} ({err}) and could not be replaced: {e}") from e
         self.constructor_names[c] = name
+        self.replaced[constructor_actor(c)] += 1
         return name
 
     def _replace_constructor(self, c: int, step: int, err: BaseException) -> None:
@@ -499,9 +522,9 @@ class PlannerActor(_Role):
         return self.generation()
 
     # -- a replacement Planner --------------------------------------------------------------------
-    def recover(self) -> dict:
-        """Restore this (new) Planner from the store and rewind every role to the position every
-        client had consumed; returns the generation and where the roles are."""
+    def recover(self, home: str | None = None) -> dict:
+        """Restore this (new) Planner (started on spare ``home``) from the store and rewind every role
+        to the position every client had consumed; returns the generation and where the roles are."""
         if self.store is None:
             raise RoleLost("the Planner failed and there is no checkpoint store to restore it from; give the job a "
                            "checkpoint_dir")
@@ -518,6 +541,10 @@ class PlannerActor(_Role):
         self.active, self.shadow = dict(roles["active"]), dict(roles["shadow"])
         self.constructor_names, self.where = list(roles["constructors"]), dict(roles["where"])
         self.renames, self.gen = int(roles["renames"]), int(newest[1]["gen"])
+        self.dead_spares = set(roles.get("dead_spares", []))
+        self.replaced.update(roles.get("replaced", {}))
+        self.replaced[PLANNER_KEY] += 1
+        self.home = home
         self.peers.learn(dict(self.where))
         self.planner.load_state_dict(ck["planner"])
         loaders = {}
@@ -532,6 +559,7 @@ class PlannerActor(_Role):
                 self._start_loader(name, s)
                 loaders[s] = self._call(name, "restore", self.gen, snap[1], snap[2]).result(self.timeout * 4)
                 self.active[s] = name
+                self.replaced[loader_actor(s)] += 1
                 self._event("loader", old, version, t1, "restored on a spare process with the Planner", e)
         state = {LocalJob.PLANNER: ck["planner"], LocalJob.LOADERS: loaders, LocalJob.FEEDBACK: ck["feedback"]}
         self._reset(state)
@@ -540,8 +568,11 @@ class PlannerActor(_Role):
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _roles(self) -> dict:
+        """Who serves where (checkpointed: a replacement Planner continues from it)."""
         return {"active": dict(self.active), "shadow": dict(self.shadow), "constructors": list(self.constructor_names),
-                "where": dict(self.where), "renames": self.renames}
+                "where": dict(self.where), "renames": self.renames, "dead_spares": sorted(self.dead_spares),
+                "replaced": dict(self.replaced), "home": self.home,
+                "starting": {name: worker for name, worker, _ in self.starting.values()}}
 
     def _checkpoint(self, version: int, state: dict, consumed: Mapping[str, list]) -> None:
         if self.store is None:
@@ -579,9 +610,10 @@ class PlannerActor(_Role):
         return self._current_state()
 
     def roles(self) -> dict:
-        """Every serving role -> where it lives (replacements), and the shadows."""
+        """Every serving role -> where it lives (replacements), the shadows, and how many times each
+        role (``"planner"``, ``"loader:<source>"``, ...) was taken over by a replacement."""
         return {"loaders": dict(self.active), "shadows": dict(self.shadow), "constructors": list(self.constructor_names),
-                "where": dict(self.where)}
+                "where": dict(self.where), "replaced": dict(self.replaced)}
 
     def stats(self) -> dict:
         return {"generation": self.gen, "next_step": self.planner.step, "released_below": self.released,

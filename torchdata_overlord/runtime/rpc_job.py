@@ -42,9 +42,10 @@ from ..sources.parquet import ParquetSource
 from .actors import (PLANNER, ConstructorActor, JobReset, LoaderActor, constructor_actor, loader_actor,
                      role_names, shadow_actor)
 from .checkpoint_store import CheckpointStore
-from .planner_actor import FaultPolicy, PlannerActor, RoleLost
+from .planner_actor import PLANNER_KEY, FaultPolicy, PlannerActor, RoleLost
 from .local import LocalJob, StepResult, source_settings
 from .procstats import process_memory
+from .spares import serving, spare_order
 from .transport import ActorDied, CallTimeout, Transport, check_timeout, settle
 
 __all__ = ["RpcJob", "SourceSpec", "RoleConfig", "start_roles"]
@@ -376,8 +377,8 @@ class RpcJob:
     def _spare_names(self) -> list[str]:
         """Where replacements start: the spare workers (any name in one process)."""
         from ._rpc_worker import worker_name
-        if not hasattr(self.transport, "place"):
-            return ["in-process"] if self.spares else []
+        if not hasattr(self.transport, "place"):       # names only: where the Planner would place them
+            return [f"in-process-spare-{i}" for i in range(self.spares)]
         return [worker_name(self.n_workers + i) for i in range(self.spares)]
 
     # ------------------------------------------------------------------------------ calls
@@ -577,28 +578,37 @@ class RpcJob:
             raise RoleLost(f"the Planner failed ({err}) and cannot be replaced: give the job spares= and "
                            f"checkpoint_dir=") from err
         self._planners += 1
-        n = self._planners
-        name, cfg = f"{PLANNER}#{n}", self.cfg
-        args = (cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors, cfg.clients,
-                cfg.timeout, self.transport.peers(), cfg.policy(spares))
+        name, cfg = f"{PLANNER}#{self._planners}", self.cfg
+        home, dead = None, set()           # the new Planner's spare; spares known or found dead
         if not hasattr(self.transport, "place"):
-            self.transport.start_actor(name, PlannerActor, *args)
+            self.transport.start_actor(name, PlannerActor, *self._planner_args(spares))
         else:
-            from ._rpc_worker import worker_index
-            for k in range(len(spares)):      # the next live spare
-                i = worker_index(spares[(n - 1 + k) % len(spares)])
+            from ._rpc_worker import worker_index, worker_name
+            dead.add(worker_name(self.transport.worker_of(self.planner_name)))
+            newest = cfg.store().latest(PLANNER_KEY)
+            roles = newest[1]["roles"] if newest is not None else {}
+            dead.update(roles.get("dead_spares", []))
+            for w in spare_order(spares, serving(roles) if roles else {}, dead):      # the least-loaded live spare
+                live = [s for s in spares if s not in dead]
                 try:
-                    self.transport.start_actor(name, PlannerActor, *args, worker=i)
+                    self.transport.start_actor(name, PlannerActor, *self._planner_args(live), worker=worker_index(w))
+                    home = w
                     break
-                except ActorDied:
-                    continue
+                except (ActorDied, CallTimeout):
+                    dead.add(w)
             else:
-                raise RoleLost(f"the Planner failed ({err}) and every spare process is dead") from err
-        info = self._call(name, "recover").result(self.recovery_timeout)
+                raise RoleLost(f"the Planner failed ({err}) and no spare process can host a new one (dead: "
+                               f"{sorted(dead)})") from err
+        info = self._call(name, "recover", home).result(self.recovery_timeout)
         self.planner_name = name
         self._learn(info["where"])
         if self._registry is not None:
             self._registry.moved(name, self.transport.worker_of(name))
+
+    def _planner_args(self, spares: list) -> tuple:
+        cfg = self.cfg
+        return (cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors, cfg.clients,
+                cfg.timeout, self.transport.peers(), cfg.policy(spares))
 
     def step(self, ranks: Iterable[int] | None = None) -> StepResult:
         """Plan and build the next step for ``ranks`` (all ranks when None)."""
@@ -629,40 +639,48 @@ class RpcJob:
                     self._recover(e, self._next)
             return self._call(self.planner_name, method, *args).result(self.timeout + 5)
 
-    def _serving(self) -> list[str]:
-        """Every actor that serves now (replacements included), asking the Planner."""
+    def _serving(self) -> tuple[dict[str, str], dict]:
+        """Every role that serves now -> its actor (a replacement's name), asking the Planner. Roles keep
+        their names across recoveries: ``planner``, ``loader:<source>``, ``shadow:<source>``, ``constructor:<i>``."""
         info = self._ask_planner("roles")
         self._learn(info["where"])
-        shadows = [a for a in info["shadows"].values() if a]
-        return [self.planner_name] + list(info["loaders"].values()) + list(info["constructors"]) + shadows, info
+        roles = {PLANNER: self.planner_name, **{loader_actor(n): a for n, a in info["loaders"].items()},
+                 **{constructor_actor(c): a for c, a in enumerate(info["constructors"])},
+                 **{shadow_actor(n): a for n, a in info["shadows"].items() if a}}
+        return roles, info
 
     def stats(self) -> dict:
         """Per-source loader stats, Planner and constructor queue depths, recoveries, each role's process
-        and memory, and this client's failures and reissued requests. A role that does not answer within
-        the call timeout (busy with a long fill, or failed) is listed in ``"unanswered"`` and its entry is
+        and memory, and this client's failures and reissued requests. Roles keep their names after a
+        recovery (``"roles"``: role -> its current pid; ``"role_recovery"``: role -> the actor serving it,
+        its pid and how many times a replacement took it over). A role that does not answer within the
+        call timeout (busy with a long fill, or failed) is listed in ``"unanswered"`` and its entry is
         ``{"error": ...}``: diagnostics never stop the training loop."""
-        actors, info = self._serving()
-        futs = {(kind, a): self._call(a, kind) for kind in ("stats", "process") for a in actors}
+        roles, info = self._serving()
+        futs = {(kind, r): self._call(a, kind) for kind in ("stats", "process") for r, a in roles.items()}
         cf.wait(list(futs.values()), timeout=self.timeout + 5)
         got, unanswered = {}, {}
-        for (kind, a), fut in futs.items():
+        for (kind, r), fut in futs.items():
             try:
-                got[kind, a] = fut.result(timeout=0)
+                got[kind, r] = fut.result(timeout=0)
             except (ActorDied, CallTimeout, cf.TimeoutError) as e:   # a busy or failed role: said, not raised
-                unanswered[a] = f"{type(e).__name__}: {e}"
+                unanswered[r] = f"{type(e).__name__}: {e}"
 
-        def of(a):
-            return got.get(("stats", a)) or {"error": unanswered.get(a, "no answer")}
+        def of(r):
+            return got.get(("stats", r)) or {"error": unanswered.get(r, "no answer")}
 
-        roles = {a: got["process", a]["pid"] for a in actors if ("process", a) in got}
+        pids = {r: got["process", r]["pid"] for r in roles if ("process", r) in got}
         procs = {m["pid"]: m for (kind, _), m in got.items() if kind == "process"}
         procs[os.getpid()] = process_memory()
-        pids = getattr(self.transport, "worker_pids", [])
-        spare_pids = pids[self.n_workers:] if self.client == 0 and self.spares else []
-        return {"sources": {n: of(a) for n, a in info["loaders"].items()}, "planner": of(self.planner_name),
+        worker_pids = getattr(self.transport, "worker_pids", [])
+        spare_pids = worker_pids[self.n_workers:] if self.client == 0 and self.spares else []
+        replaced = info.get("replaced", {})
+        return {"sources": {n: of(loader_actor(n)) for n in info["loaders"]}, "planner": of(PLANNER),
                 "client": {"client": self.client, "fetches": self.fetches, "faults": copy.deepcopy(self.faults)},
-                "constructors": {a: of(a) for a in info["constructors"]},
-                "roles": roles, "processes": procs, "spares": spare_pids, "unanswered": unanswered}
+                "constructors": {r: of(r) for r in roles if r.startswith("constructor:")},
+                "roles": pids, "processes": procs, "spares": spare_pids, "unanswered": unanswered,
+                "role_recovery": {r: {"actor": a, "pid": pids.get(r), "recoveries": replaced.get(r, 0)}
+                                  for r, a in roles.items()}}
 
     def close(self) -> None:
         """Leave the job. A client of a launched job or of a trainer group tells its coordinator and
@@ -681,7 +699,7 @@ class RpcJob:
                     log.warning("closing the roles while client(s) %s have not left after %g s", missing,
                                 self.timeout)
                 try:
-                    actors = self._serving()[0]
+                    actors = list(self._serving()[0].values())
                     replaced = self._call(self.planner_name, "stats").result(self.timeout)["recoveries"]
                     if (replaced or self.faults["recoveries"]) and hasattr(self.transport, "mark_unhealthy"):
                         self.transport.mark_unhealthy()      # a replaced role may be frozen: no graceful wait

@@ -260,6 +260,7 @@ class RpcTransport(Transport):
                 raise ConfigError(f"worker must be in [0, {self.n_workers}), got {worker!r}")
             if self._placement.get(name, i) != i:
                 raise ConfigError(f"actor {name!r} was placed on worker {self._placement[name]}, not {i}")
+            placed_before = name in self._placement
             self._placement[name] = i
             self._started.add(name)
         try:
@@ -271,14 +272,14 @@ class RpcTransport(Transport):
                 failure = fut.wait()
             except BaseException as e:           # noqa: BLE001
                 raise self._map_error(e, name, "__init__", self.startup_timeout) from e
+            if isinstance(failure, W.Failure):
+                raise failure.rebuild(name, "__init__")
         except BaseException:
-            with self._lock:
+            with self._lock:                     # not started: the name may be started again elsewhere
                 self._started.discard(name)
+                if not placed_before:
+                    self._placement.pop(name, None)
             raise
-        if isinstance(failure, W.Failure):
-            with self._lock:
-                self._started.discard(name)
-            raise failure.rebuild(name, "__init__")
 
     def place(self, placement: dict[str, int]) -> None:
         """Record where actors live before they start (so :meth:`peers` can name them to each other),

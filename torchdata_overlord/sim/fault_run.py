@@ -7,8 +7,9 @@ each role process's CPU time and memory. The fault tests and ``benchmarks/fault_
 
 CONFIG: corpus root, number of sources (2: web+caps; 10: partitions of the four corpus sources),
 steps, prefetch, trainer work per step (matmuls, not sleeps), spares, call timeout, and ``faults``:
-``[{"step": k, "kill"|"freeze"|"corrupt": [roles or checkpoint keys]}]`` applied right after the
-trainer consumed step k.
+``[{"step": k, "kill"|"freeze"|"corrupt": [roles or checkpoint keys], "spare": [spare indices]}]``
+applied right after the trainer consumed step k (``skip_missing``: a kill of a role that serves
+nowhere at that moment is reported, not an error).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -24,6 +26,7 @@ import torch
 import torchdata_overlord as ol
 from torchdata_overlord.runtime import faults
 from torchdata_overlord.runtime.procstats import process_cpu_seconds
+from torchdata_overlord.runtime.transport import ActorDied
 from torchdata_overlord.sim.corpus import build_demo_corpus
 from torchdata_overlord.sources import ParquetSource
 from torchdata_overlord.transforms import ImageText, Tokenize
@@ -78,6 +81,31 @@ def work(n: int) -> None:
         a = torch.tanh(a @ a / 192)
 
 
+def kill(loader, step: int, roles: list, spares: list, skip_missing: bool) -> list[dict]:
+    """SIGKILL ``roles`` and spare processes ``spares`` at once (every pid found before any dies); the
+    events. ``skip_missing``: a role that serves nowhere now (a shadow being re-created, a role whose
+    process already died unnoticed) or a spare already dead is reported as skipped instead of failing."""
+    found, events = [], []
+    for role in roles:
+        try:
+            found.append((role, faults.role_pid(loader, role)))
+        except (ol.ConfigError, ActorDied) as e:
+            if not skip_missing:
+                raise
+            events.append({"step": step, "skipped": role, "why": f"{type(e).__name__}: {e}"[:200]})
+    for role, pid in found:
+        os.kill(pid, signal.SIGKILL)
+        events.append({"step": step, "killed": role, "pid": pid})
+    for i in spares:
+        try:
+            events.append({"step": step, "killed": f"spare {i}", "pid": faults.kill_spare(loader, i)})
+        except ProcessLookupError as e:
+            if not skip_missing:
+                raise
+            events.append({"step": step, "skipped": f"spare {i}", "why": f"already dead ({e})"})
+    return events
+
+
 def main(cfg_path: str, out_path: str) -> None:
     cfg = json.load(open(cfg_path))
     torch.set_num_threads(1)
@@ -91,7 +119,8 @@ def main(cfg_path: str, out_path: str) -> None:
     loader = ol.OverlordLoader(sources, Strategy([s.name for s in sources]), ol.ClientPlaceTree(dp=2), rank=None,
                                global_batch=cfg.get("global_batch", 8), seq_len=None,
                                image_token_id=corpus.image_token_id, runtime="rpc", prefetch=cfg.get("prefetch", 2),
-                               spares=cfg.get("spares", 2), fault_tolerance=ft, timeout=120)
+                               spares=cfg.get("spares", 2), fault_tolerance=ft, timeout=120,
+                               n_workers=cfg.get("n_workers"))
     frozen = []
     t0 = time.monotonic()
     try:
@@ -104,9 +133,8 @@ def main(cfg_path: str, out_path: str) -> None:
                     for key in f.get("corrupt", []):
                         out["events"].append({"step": step, "corrupted": key,
                                               "version": faults.corrupt_newest(cfg["ckpt"], key)})
-                    if f.get("kill"):
-                        for role, pid in zip(f["kill"], faults.kill_roles(loader, f["kill"])):
-                            out["events"].append({"step": step, "killed": role, "pid": pid})
+                    if f.get("kill") or f.get("spare"):
+                        out["events"] += kill(loader, step, f.get("kill", []), f.get("spare", []), cfg.get("skip_missing"))
                     for role in f.get("freeze", []):
                         pid = faults.freeze_role(loader, role)
                         frozen.append(pid)
@@ -121,6 +149,7 @@ def main(cfg_path: str, out_path: str) -> None:
             out["recoveries"] = stats["planner"]["recoveries"]
             out["client_faults"] = stats["client"]["faults"]
             out["roles"] = stats["roles"]
+            out["role_recovery"] = stats.get("role_recovery")
             out["spares"] = stats["spares"]
             out["processes"] = {str(k): v for k, v in stats["processes"].items()}
     except Exception as e:                       # noqa: BLE001 - reported to the test

@@ -1,0 +1,28 @@
+"""Where replacements start (runtime/spares.py): the least-loaded live spare, never an avoided one."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchdata_overlord.runtime.spares import serving, spare_order
+
+SPARES = [f"w{i}" for i in range(5)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(placed=st.dictionaries(st.text("abcdef", min_size=1, max_size=3), st.sampled_from(SPARES + ["w9"])),
+       dead=st.sets(st.sampled_from(SPARES)), avoid=st.sets(st.sampled_from(SPARES + [None])))
+def test_spare_order_is_least_loaded_live_and_never_avoided(placed, dead, avoid):
+    order = spare_order(SPARES, placed, dead, avoid)
+    assert sorted(order) == sorted(w for w in SPARES if w not in dead and w not in avoid)
+    ranked = [(list(placed.values()).count(w), SPARES.index(w)) for w in order]
+    assert ranked == sorted(ranked)                 # least loaded first, ties in the spares' order
+
+def test_serving_counts_only_roles_that_serve_now():
+    roles = {"active": {"web": "shadow:web", "caps": "loader:caps"}, "shadow": {"web": "shadow:web#3", "caps": None},
+             "constructors": ["constructor:0", "constructor:1#2"], "starting": {"shadow:caps#4": "w2"},
+             "where": {"shadow:web#3": "w0", "constructor:1#2": "w1", "loader:web#1": "w1", "planner#1": "w3"},
+             "home": "w3"}
+    # loader:web#1 was replaced (not serving); the originals live on the role workers, not on spares
+    assert serving(roles) == {"shadow:web#3": "w0", "constructor:1#2": "w1", "shadow:caps#4": "w2", "<planner>": "w3"}
