@@ -118,7 +118,7 @@ class SourceSpec:
         if not isinstance(src, ParquetSource):
             raise ConfigError(f"RpcJob sources must be ParquetSource or SourceSpec, got {type(src).__name__}")
         kwargs = dict(columns=src.columns, shuffle=src.shuffle, seed=src.seed, epochs=src.epochs,
-                      on_error=src.on_error)
+                      on_error=src.on_error, skip_log_interval=src.skip_log_interval)
         paths = list(src.files)
         if src.filesystem is not None or any("://" in f for f in src.files):
             paths, kwargs["filesystem"] = src.paths, src.filesystem
