@@ -28,7 +28,8 @@ class SkipLog:
 
     def __init__(self, source: str, interval: float = 60.0, clock: Callable[[], float] = time.monotonic):
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval >= 0:
-            raise ConfigError(f"source {source!r}: skip_log_interval must be a number of seconds >= 0, got {interval!r}")
+            raise ConfigError(f"source {source!r}: skip_log_interval must be a number of seconds >= 0, "
+                              f"got {interval!r}")
         self.source, self.interval, self._clock = source, float(interval), clock
         self._entries: dict[tuple, dict] = {}     # (file, row) -> entry; row None: a whole file
         self.total = 0                              # skips counted (once per entry and epoch)
