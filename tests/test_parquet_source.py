@@ -241,10 +241,12 @@ def test_unreadable_files_are_skipped_counted_and_logged(data, tmp_path, caplog)
     _corrupt(tmp_path / "data")
     with caplog.at_level(logging.WARNING, logger="torchdata_overlord"):
         src = ParquetSource("s", data, on_error="skip", epochs=1)
+        assert sum("skipped" in r.getMessage() for r in caplog.records) == 1  # the first; the rest summed up later
+        src.close()
+        assert "skipped 1 more" in caplog.records[-1].getMessage()
     assert sorted(s["file"].rsplit("/", 1)[1] for s in src.skipped) == ["bb_notparquet.parquet",
                                                                           "cc_truncated.parquet"]
-    assert all(s["row"] is None and s["error"] for s in src.skipped)
-    assert sum("skipped" in r.getMessage() for r in caplog.records) == 2
+    assert all(s["row"] is None and s["error"] and s["count"] == 1 for s in src.skipped)
     assert sorted(k for k, _ in src) == list(range(N))
 
 
@@ -278,11 +280,11 @@ def test_transform_errors_are_skipped_counted_and_logged(data, caplog):
     with caplog.at_level(logging.WARNING, logger="torchdata_overlord"):
         src = ParquetSource("s", data, _fail_on(bad), on_error="skip", epochs=2, seed=9)
         out = list(src)
+    assert sum("skipped" in r.getMessage() for r in caplog.records) == 1       # not one line per skip
     assert sorted(k for k, _ in out) == sorted([k for k in range(N) if k not in bad] * 2)
-    assert len(src.skipped) == 6 and all(s["error"].startswith("KeyError") for s in src.skipped)
-    assert {(s["file"].rsplit("/", 1)[1], s["row"]) for s in src.skipped} == {
-        ("a.parquet", 0), ("b.parquet", 1), ("c.parquet", 29)}
-    assert sum("skipped" in r.getMessage() for r in caplog.records) == 6
+    assert src.skips.total == 6 and all(s["error"].startswith("KeyError") for s in src.skipped)
+    assert {(s["file"].rsplit("/", 1)[1], s["row"], s["count"]) for s in src.skipped} == {
+        ("a.parquet", 0, 2), ("b.parquet", 1, 2), ("c.parquet", 29, 2)}
     # resume across skipped samples is still exact
     first = ParquetSource("s", data, _fail_on(bad), on_error="skip", epochs=2, seed=9)
     head = take(first, 40)

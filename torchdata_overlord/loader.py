@@ -26,6 +26,7 @@ import torch
 
 from .errors import ConfigError, OverlordError
 from .plane.place_tree import ClientPlaceTree
+from .runtime.coverage import check_clients_cover_mesh
 from .runtime.local import LocalJob, SourceExhausted
 from .runtime.rpc_job import RpcJob
 
@@ -123,6 +124,7 @@ class OverlordLoader:
         elif (n_workers, constructors, group, address, spares, fault_tolerance) != (None, None, None, None, 0, None):
             raise ConfigError("n_workers, constructors, group, address, spares and fault_tolerance are options of "
                               "runtime='rpc'")
+        check_clients_cover_mesh(mesh, rank, group)        # no mesh rank left without a trainer process
         self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,
                                       buffer_size=buffer_size, workers=workers, image_token_id=image_token_id,
                                       pad_id=pad_id, **extra)

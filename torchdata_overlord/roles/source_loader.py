@@ -82,6 +82,7 @@ class SourceLoader(BaseNode[tuple]):
         self._taken: dict[int, int | None] = {int(i): None for i in state[self.TAKEN]}  # index -> read seq
         self.epochs_started = list(state[self.EPOCH_LOG])
         self._base_state = self.source.state_dict()
+        self._productive_at = self.source.rows_passed   # where the last read round buffered something
 
     def next(self) -> tuple[int, Any]:
         """The oldest buffered sample, taken out of the buffer (stream use of the node)."""
@@ -97,10 +98,18 @@ class SourceLoader(BaseNode[tuple]):
 
     # -- role API ------------------------------------------------------------------------------
     def fill(self) -> None:
-        """Top the buffer up to ``buffer_size`` samples (fewer only when the source is exhausted)."""
-        want = self.buffer_size - len(self._buffer)
-        if want <= 0 or self.exhausted:
-            return
+        """Top the buffer up to ``buffer_size`` samples (fewer only when the source is exhausted): rows
+        skipped under ``on_error="skip"`` are replaced by reading on."""
+        while len(self._buffer) < self.buffer_size and not self.exhausted:
+            before = len(self._buffer)
+            self._read(self.buffer_size - before)
+            if len(self._buffer) > before:
+                self._productive_at = self.source.rows_passed
+            else:                       # everything read was skipped: fail rather than cycle forever
+                self.source.check_progress(self._productive_at)
+
+    def _read(self, want: int) -> None:
+        """Read ``want`` rows not taken yet, transform them (on the pool) and buffer what is not skipped."""
         raws = []
         while len(raws) < want:
             before = self.source.state_dict()
@@ -117,6 +126,7 @@ class SourceLoader(BaseNode[tuple]):
             self._seq += 1
             if index in self._taken:          # consumed before the last checkpoint: skip on rebuild
                 self._taken[index] = self._seq
+                self._productive_at += 1      # (a row taken is not a row skipped)
                 continue
             raws.append((index, row, where, before, self._seq))
         apply = self.source.apply
@@ -127,7 +137,7 @@ class SourceLoader(BaseNode[tuple]):
         for (index, _, _, before, seq), rec in zip(raws, records):
             if rec is not SKIPPED:
                 self._buffer[index] = (rec, before, seq, self._meta_row(rec))
-        if not self._buffer:
+        if not self._buffer:            # nothing buffered: the state moves past what was read
             self._base_state, self._taken = self.source.state_dict(), {}
 
     def _meta_row(self, record) -> tuple[int, int, int, float]:
@@ -178,10 +188,11 @@ class SourceLoader(BaseNode[tuple]):
         return self.get_state()
 
     def stats(self) -> dict:
-        """Buffer size and bytes, samples served, epochs started, exhaustion and skipped samples."""
+        """Buffer size and bytes, samples served, epochs started, exhaustion, and the exact skip counts
+        (``skipped``: files/rows skipped, once per epoch; ``skipped_distinct``: how many files/rows)."""
         return {"buffered": len(self._buffer), "buffer_bytes": self.buffer_bytes, "served": self.served,
                 "epochs_started": list(self.epochs_started), "exhausted": self.exhausted,
-                "skipped": len(self.source.skipped)}
+                **self.source.skips.stats()}
 
     @property
     def buffer_bytes(self) -> int:

@@ -20,7 +20,8 @@ Where the processes come from:
 
 Every call carries ``timeout`` seconds. Sources are rebuilt inside the workers from a
 :class:`SourceSpec` (a used ParquetSource holds open Arrow files and does not pickle); the strategy,
-transforms and mesh must pickle (a strategy defined at module level does, a closure or lambda does not).
+transforms and mesh must pickle (a strategy defined at module level does, a closure or lambda does not),
+and be loadable in the role processes (checked before any starts: see :mod:`.loadable`).
 torch.distributed.rpc can be initialised once per process, so a process can be in one RpcJob.
 """
 
@@ -30,7 +31,6 @@ import concurrent.futures as cf
 import copy
 import logging
 import os
-import pickle
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +42,7 @@ from ..sources.parquet import ParquetSource
 from .actors import (PLANNER, ConstructorActor, JobReset, LoaderActor, constructor_actor, loader_actor,
                      role_names, shadow_actor)
 from .checkpoint_store import CheckpointStore
+from .loadable import check_loadable
 from .planner_actor import PLANNER_KEY, FaultPolicy, PlannerActor, RoleLost
 from .local import LocalJob, StepResult, source_settings
 from .procstats import process_memory
@@ -119,7 +120,7 @@ class SourceSpec:
         if not isinstance(src, ParquetSource):
             raise ConfigError(f"RpcJob sources must be ParquetSource or SourceSpec, got {type(src).__name__}")
         kwargs = dict(columns=src.columns, shuffle=src.shuffle, seed=src.seed, epochs=src.epochs,
-                      on_error=src.on_error)
+                      on_error=src.on_error, skip_log_interval=src.skip_log_interval)
         paths = list(src.files)
         if src.filesystem is not None or any("://" in f for f in src.files):
             paths, kwargs["filesystem"] = src.paths, src.filesystem
@@ -170,12 +171,11 @@ class RoleConfig:
                               f"dp={dp} (one Data Constructor per DP group is {dp}; fewer share groups)")
         if isinstance(self.clients, bool) or not isinstance(self.clients, int) or not 1 <= self.clients:
             raise ConfigError(f"clients must be an integer >= 1, got {self.clients!r}")
-        try:
-            if self.strategy is not None:          # None: a client of a launched job (the roles have it)
-                pickle.dumps(self.strategy)
-        except Exception as e:          # noqa: BLE001
-            raise ConfigError(f"the rpc runtime runs the strategy in a worker process, so it must pickle (define it "
-                              f"at module level, not as a closure or lambda): {type(e).__name__}: {e}") from e
+        if self.strategy is not None:          # None: a client of a launched job (the roles have it)
+            check_loadable(self.strategy, "the strategy")
+        for spec in self.specs:
+            if spec.transform is not None:
+                check_loadable(spec.transform, f"the transform of source {spec.name!r}")
 
     @property
     def names(self) -> list[str]:

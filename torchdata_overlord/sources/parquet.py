@@ -20,7 +20,6 @@ Design, in brief:
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from typing import Any, Callable, NamedTuple
@@ -31,10 +30,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..errors import ConfigError, OverlordError
+from .skip_log import SkipLog
 
 __all__ = ["ParquetSource", "SourceReadError"]
-
-log = logging.getLogger("torchdata_overlord")
 
 _CHUNK = 64  # rows converted to Python at once: amortises to_pylist without holding a second copy
 
@@ -167,9 +165,11 @@ class ParquetSource:
     ``paths``: a glob, a file, a directory, a ``pyarrow.fs`` URI (``"file:///d/*.parquet"``,
     ``"s3://b/k/*.parquet"``) or a list of those; with ``filesystem=`` they are paths inside that
     filesystem. ``transform(row_dict)`` makes the record. ``columns`` (or ``transform.columns``)
-    is the projection. ``epochs=None`` cycles forever. ``on_error="skip"`` skips unreadable files
-    and failing samples, listing them in :attr:`skipped` and logging them, instead of raising (a
-    requested column missing from a file is a configuration error in either mode).
+    is the projection. ``epochs=None`` cycles forever. ``on_error="skip"`` skips unreadable files,
+    files without a projected column and failing samples instead of raising: :attr:`skipped` lists
+    them with exact counts, the log says the first at once and then sums them up at most every
+    ``skip_log_interval`` seconds (:class:`~torchdata_overlord.sources.skip_log.SkipLog`). A source
+    whose every row is skipped raises rather than cycling forever.
     ``iter()`` continues from the current position; use :meth:`load_state_dict` to rewind. When a
     transform raises (on_error="raise") the position stays on that sample, so a state taken then
     resumes at it.
@@ -177,7 +177,7 @@ class ParquetSource:
 
     def __init__(self, name: str, paths, transform: Callable[[dict], Any] | None = None, columns=None,
                  shuffle: bool = True, seed: int = 0, epochs: int | None = None, on_error: str = "raise",
-                 filesystem: pafs.FileSystem | None = None):
+                 filesystem: pafs.FileSystem | None = None, skip_log_interval: float = 60.0):
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"source {name!r}: on_error must be 'raise' or 'skip', got {on_error!r}")
         if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
@@ -188,7 +188,10 @@ class ParquetSource:
         self.paths, self.filesystem = paths, filesystem       # as given: enough to reopen the source elsewhere
         self.shuffle, self.seed, self.epochs = bool(shuffle), int(seed), epochs
         self.columns = _columns(columns, transform)
-        self.skipped: list[dict] = []
+        self._columns_given = columns is not None        # else the transform's: its field is what to fix
+        self.skips = SkipLog(name, skip_log_interval)
+        self.skip_log_interval = self.skips.interval
+        self.rows_passed = 0  # rows read or skipped so far (a whole-epoch run of skips means nothing is usable)
         self._files = self._open_all(_resolve(name, paths, filesystem))
         self.files = [f.shown for f in self._files]
         self._build_units()
@@ -207,14 +210,26 @@ class ParquetSource:
             except ConfigError as e:
                 if self.on_error == "raise":
                     raise ConfigError(f"source {self.name!r}: {e}") from e.__cause__
-                self._skip(shown, None, e)
+                self._skip(shown, None, e, 0)
                 continue
             missing = [c for c in self.columns or () if c not in f.names]
-            if missing:
-                raise ConfigError(f"source {self.name!r}: {shown} has no column(s) {missing}; available "
-                                  f"columns: {f.names}. Fix `columns=` (or the transform's `columns`).")
-            files.append(f)
+            if not missing:
+                files.append(f)
+                continue
+            err = ConfigError(f"source {self.name!r}: {shown} has no column(s) {missing}; available columns: "
+                              f"{f.names}. {self._columns_fix(missing)}")
+            if self.on_error == "raise":
+                raise err
+            self._skip(shown, None, err, 0)
         return files
+
+    def _columns_fix(self, missing: list[str]) -> str:
+        """What to change when a file lacks a projected column: ``columns=`` if it was given, else the
+        transform's field argument (``columns`` came from the transform)."""
+        if self._columns_given:
+            return "Fix `columns=`, or pass on_error='skip' to skip such files."
+        return (f"The transform {self.transform!r} reads {missing}: point its field argument (e.g. "
+                f"Tokenize(field=...)) at one of the available columns, or pass on_error='skip' to skip such files.")
 
     def _build_units(self) -> None:
         """Flatten (file, row group) into unit arrays; file offsets make the dense sample keys."""
@@ -229,8 +244,10 @@ class ParquetSource:
                 first += n
             offset += f.meta.num_rows
         if offset == 0:
-            raise ConfigError(f"source {self.name!r} has no rows ({len(self.files)} readable file(s), "
-                              f"{len(self.skipped)} skipped); point it at non-empty Parquet files")
+            skipped = self.skips.entries
+            first = f"; first skipped: {skipped[0]['file']}: {skipped[0]['error']}" if skipped else ""
+            raise ConfigError(f"source {self.name!r} has no rows ({len(self._files)} usable file(s), "
+                              f"{len(skipped)} skipped{first}); point it at non-empty Parquet files")
         self.num_rows = offset  # rows per epoch
         self._ufile, self._urg = np.asarray(ufile, np.int64), np.asarray(urg, np.int64)
         self._urows, self._ufirst = np.asarray(urows, np.int64), np.asarray(ufirst, np.int64)
@@ -311,21 +328,25 @@ class ParquetSource:
         return self
 
     def __next__(self) -> tuple[int, Any]:
+        since = self.rows_passed
         while True:
             key, row, where = self.next_raw()
             try:
                 out = self.apply(row, where)
             except SourceReadError:
                 self._row -= 1      # stay on the failing sample: a state taken now resumes at it
+                self.rows_passed -= 1
                 raise
             if out is not SKIPPED:
                 return key, out
+            self.check_progress(since)
 
-    def next_raw(self) -> tuple[int, dict, tuple[str, int, int]]:
-        """The next row before the transform, with ``(file, row, key)`` for :meth:`apply`'s errors.
+    def next_raw(self) -> tuple[int, dict, tuple[str, int, int, int]]:
+        """The next row before the transform, with ``(file, row, key, epoch)`` for :meth:`apply`.
 
         Reading is sequential and cheap; a Source Loader runs :meth:`apply` on a worker pool.
         """
+        since = self.rows_passed
         while True:
             if self.epochs is not None and self.epoch >= self.epochs:
                 raise StopIteration
@@ -338,22 +359,33 @@ class ParquetSource:
                 self._drop_buffer()
                 continue
             if self._table is None and not self._load(u):
+                self.check_progress(since)
                 continue
             return self._sample(u)
 
-    def apply(self, row: dict, where: tuple[str, int, int]):
+    def check_progress(self, since: int) -> None:
+        """Raise if every row since ``rows_passed`` was ``since`` was skipped and those rows span a whole
+        epoch (any ``2 * num_rows - 1`` consecutive rows do): then no row of the source is usable, and
+        skipping on would cycle forever."""
+        n = self.rows_passed - since
+        if n >= 2 * self.num_rows - 1:
+            raise SourceReadError(f"source {self.name!r}: {n} rows in a row were skipped (on_error='skip'), a whole "
+                                  f"epoch of its {self.num_rows} rows: no row of this source is usable (latest: "
+                                  f"{self.skips.latest}). Fix the files or the transform.")
+
+    def apply(self, row: dict, where: tuple[str, int, int, int]):
         """``transform(row)`` under this source's error policy: the record, or ``SKIPPED``."""
         if self.transform is None:
             return row
         try:
             return self.transform(row)
         except Exception as e:  # noqa: BLE001 (any user error: wrap with file and row)
-            f, r, key = where
+            f, r, key, epoch = where
             if self.on_error == "raise":
                 raise SourceReadError(f"source {self.name!r}: transform failed on {f} row {r} (key {key}): "
                                       f"{type(e).__name__}: {e}. Fix the transform or pass "
                                       f"on_error='skip'.") from e
-            self._skip(f, r, e)
+            self._skip(f, r, e, epoch)
             return SKIPPED
 
     def _load(self, u: int) -> bool:
@@ -371,14 +403,15 @@ class ParquetSource:
                 raise SourceReadError(f"source {self.name!r}: reading {f.shown} row group {rg} (rows from "
                                       f"{first}) failed: {type(e).__name__}: {e}; has the file changed "
                                       f"since the source was opened? Or pass on_error='skip'.") from e
-            self._skip(f.shown, first, e)
+            self._skip(f.shown, first, e, self.epoch)
+            self.rows_passed += int(self._urows[u]) - self._row
             self._unit, self._row = self._unit + 1, 0
             return False
         self.reads += 1
         self._perm = self._row_order(u)
         return True
 
-    def _sample(self, u: int) -> tuple[int, dict, tuple[str, int, int]]:
+    def _sample(self, u: int) -> tuple[int, dict, tuple[str, int, int, int]]:
         """The raw row at the current position, advancing past it."""
         start = self._pending_start
         if start is None or not (start <= self._row < start + len(self._pending)):
@@ -388,12 +421,17 @@ class ParquetSource:
         row = self._pending[self._row - self._pending_start]
         key = int(self._uoffset[u]) + r
         self._row += 1
-        return key, row, (self._files[int(self._ufile[u])].shown, r, key)
+        self.rows_passed += 1
+        return key, row, (self._files[int(self._ufile[u])].shown, r, key, self.epoch)
 
-    def _skip(self, file: str, row: int | None, err: BaseException) -> None:
-        self.skipped.append({"file": file, "row": row, "error": f"{type(err).__name__}: {err}"})
-        where = "" if row is None else f" row {row}"
-        log.warning("source %r: skipped %s%s: %s: %s", self.name, file, where, type(err).__name__, err)
+    @property
+    def skipped(self) -> list[dict]:
+        """What ``on_error="skip"`` skipped: per file/row ``file``, ``row`` (None: the whole file; a row
+        group's first row when the row group could not be read), ``error`` and ``count`` (epochs)."""
+        return self.skips.entries
+
+    def _skip(self, file: str, row: int | None, err: BaseException, epoch: int) -> None:
+        self.skips.add(file, row, f"{type(err).__name__}: {err}", epoch)
 
     def _drop_buffer(self) -> None:
         self._table, self._perm, self._pending, self._pending_start = None, None, [], None
@@ -404,7 +442,9 @@ class ParquetSource:
             handle[1].close()
 
     def close(self) -> None:
-        """Release the decoded row group and the open file handle (iteration reopens as needed)."""
+        """Release the decoded row group and the open file handle (iteration reopens as needed); log
+        the skips not yet summed up."""
+        self.skips.flush()
         self._drop_buffer()
         self._close_file()
 

@@ -1,0 +1,182 @@
+"""runtime='rpc' refuses, before any role process starts, a strategy or transform the roles could not load.
+
+The real case runs as a user would: a training script (``python train.py``) that defines its
+strategy, or a transform class, inside ``if __name__ == "__main__":``. The variants (an
+interactive ``__main__``, an ``else:`` branch, a ``*`` import) are checked in this process against
+a ``__main__`` module built from a real script file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import torchdata_overlord as ol
+from torchdata_overlord.runtime.loadable import check_loadable
+from torchdata_overlord.runtime.rpc_job import RoleConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = '''
+import json, multiprocessing, sys
+
+import torch
+import torchdata_overlord as ol
+from torchdata_overlord.sources import ParquetSource
+
+
+def module_strategy(g):
+    return g.mix({"s": 1.0}).distribute("DP").cost(ol.token_count).balance("greedy", microbatches=1).plan()
+
+
+class ModuleTransform:
+    columns = ["n"]
+
+    def __call__(self, row):
+        return {"input_ids": torch.arange(row["n"] + 1)}
+
+
+def attempt(results, key, transform, strategy, steps=0):
+    try:
+        with ol.OverlordLoader([ParquetSource("s", sys.argv[1], transform, seed=1)], strategy,
+                               ol.ClientPlaceTree(dp=1), rank=0, global_batch=2, seq_len=None, runtime="rpc",
+                               n_workers=1, startup_timeout=60, timeout=60) as loader:
+            results[key] = [len(next(loader)["microbatches"]) for _ in range(steps)]
+    except Exception as e:
+        results[key] = f"{type(e).__name__}: {e}"
+    results[key + ":children"] = len(multiprocessing.active_children())
+
+
+if __name__ == "__main__":
+    def strategy(g):
+        return module_strategy(g)
+
+    class Transform(ModuleTransform):
+        pass
+
+    results = {}
+    attempt(results, "strategy", ModuleTransform(), strategy)
+    attempt(results, "transform", Transform(), module_strategy)
+    attempt(results, "module level", ModuleTransform(), module_strategy, steps=2)   # these load: no false alarm
+    with open(sys.argv[2], "w") as f:
+        json.dump(results, f)
+'''
+
+
+@pytest.mark.slow
+def test_strategy_or_transform_under_the_main_guard_is_refused_before_any_role_starts(tmp_path):
+    pq.write_table(pa.table({"n": list(range(8))}), tmp_path / "s.parquet")
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "s.parquet"), str(out)], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    for key, name in (("strategy", "strategy"), ("transform", "Transform")):
+        msg = got[key]
+        assert msg.startswith("ConfigError: runtime='rpc' cannot send"), msg
+        assert f"`{name}` is defined inside `if __name__ == \"__main__\":` in {script}" in msg
+        assert f"move `{name}` above the guard, to module level" in msg and "\n" not in msg
+        assert got[key + ":children"] == 0                      # refused before any role process started
+    assert "the strategy" in got["strategy"] and "source 's'" in got["transform"]
+    assert got["module level"] == [1, 1]
+
+
+# ---- the same check against other shapes of __main__, in this process ---------------------------------------
+
+MAIN = textwrap.dedent('''
+    import os
+    from json import *
+
+    def top(g):
+        return g
+
+    if __name__ == "__main__":
+        def guarded(g):
+            return g
+    else:
+        def in_else(g):
+            return g
+
+    try:
+        import nothing_here
+    except ImportError:
+        def in_except(g):
+            return g
+''')
+
+
+@pytest.fixture
+def fake_main(tmp_path, monkeypatch):
+    """``__main__`` as a role process would see it missing: a module executed from a real file, with
+    its guarded block run (as ``python file.py`` does)."""
+
+    def make(source: str, with_file: bool = True):
+        path = tmp_path / "script.py"
+        path.write_text(source)
+        mod = types.ModuleType("__main__")
+        if with_file:
+            mod.__file__ = str(path)
+        exec(compile(source, str(path), "exec"), mod.__dict__)
+        monkeypatch.setitem(sys.modules, "__main__", mod)
+        return mod
+    return make
+
+
+def test_guarded_name_is_refused_other_module_level_names_pass(fake_main):
+    main = fake_main(MAIN.replace("from json import *\n", ""))
+    with pytest.raises(ol.ConfigError, match=r"move `guarded` above the guard"):
+        check_loadable(main.guarded, "the strategy")
+    for name in ("top", "in_except"):
+        check_loadable(getattr(main, name), "the strategy")
+
+
+def test_a_star_import_makes_it_unknowable_so_nothing_is_refused(fake_main):
+    main = fake_main(MAIN)
+    check_loadable(main.guarded, "the strategy")       # `from json import *` might bind it: let the roles tell
+
+
+def test_interactive_main_is_refused(fake_main):
+    main = fake_main(MAIN, with_file=False)
+    with pytest.raises(ol.ConfigError, match=r"interactive `__main__` \(no file\).*move `top` into a \.py module"):
+        check_loadable(main.top, "the strategy")
+
+
+def test_a_transform_referring_to_a_guarded_class_is_refused_in_role_config(fake_main, tmp_path):
+    main = fake_main(MAIN.replace("from json import *\n", "") + textwrap.dedent('''
+        if __name__ == "__main__":
+            class Upper:
+                def __call__(self, row):
+                    return row
+    '''))
+    pq.write_table(pa.table({"n": [1, 2]}), tmp_path / "s.parquet")
+    src = ol.ParquetSource("s", str(tmp_path / "s.parquet"), main.Upper())
+    with pytest.raises(ol.ConfigError, match=r"the transform of source 's' to its role processes: `Upper` is defined"):
+        RoleConfig([src], top_level_strategy, ol.ClientPlaceTree(dp=1), 2, None)
+    with pytest.raises(ol.ConfigError, match="must pickle"):
+        RoleConfig([src], lambda g: g, ol.ClientPlaceTree(dp=1), 2, None)
+
+
+def top_level_strategy(g):
+    return g
+
+
+def test_a_module_no_new_process_can_import_is_refused(tmp_path, monkeypatch):
+    mod = types.ModuleType("made_in_memory")
+    exec("def strategy(g):\n    return g\n", mod.__dict__)
+    monkeypatch.setitem(sys.modules, "made_in_memory", mod)
+    pickle.dumps(mod.strategy)                         # it pickles here...
+    with pytest.raises(ol.ConfigError, match=r"module 'made_in_memory', which a new process cannot import"):
+        check_loadable(mod.strategy, "the strategy")   # ...but a role process could not import it

@@ -1,0 +1,232 @@
+"""``on_error="skip"`` end to end: skipped rows are refilled, nothing good is lost, the log is a summary.
+
+Real Parquet files whose rows carry their global id (``gid``) and a text that is null on the rows
+meant to be bad; a real sentencepiece model trained here; ``Tokenize`` fails on a null text, as it
+would on a user's data. Expected keys come from the files' ``gid`` column, never from the code
+under test.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torchdata_overlord as ol
+from torchdata_overlord import testing
+from torchdata_overlord.roles.source_loader import SourceLoader
+from torchdata_overlord.sources import ParquetSource, SourceReadError
+from torchdata_overlord.sources.skip_log import SkipLog
+from torchdata_overlord.transforms import Tokenize
+
+TEXTS = testing.make_text_corpus(300, seed=3, max_words=12)
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    return testing.train_sentencepiece(TEXTS, tmp_path_factory.mktemp("spm") / "tok", vocab_size=200)
+
+
+def write_texts(path, gids, bad=(), row_group_size=4, field="text"):
+    """A Parquet file of rows ``gid`` and ``field`` (null where ``gid`` is in ``bad``)."""
+    gids = list(gids)
+    text = [None if g in bad else TEXTS[g % len(TEXTS)] for g in gids]
+    pq.write_table(pa.table({"gid": pa.array(gids, pa.int64()), field: pa.array(text, pa.string())}), path,
+                   row_group_size=row_group_size)
+    return str(path)
+
+
+def skip_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+
+
+# ---- item 8: a skipped row is replaced, a step is short only when a source is exhausted ---------
+
+def one_source_strategy(g):
+    return g.mix({"web": 1.0}).distribute("DP").cost(ol.token_count).balance("greedy", microbatches=2).plan()
+
+
+def test_skipped_rows_are_refilled_so_a_source_can_make_up_a_whole_step(spm_model, tmp_path):
+    """One source makes up every step of 16 with the default buffer (16): a null text every 7 rows
+    used to leave the buffer at 15 and fail step 0 with BufferShortageError."""
+    n, batch = 100, 16
+    bad = set(range(3, n, 7))
+    write_texts(tmp_path / "web.parquet", range(n), bad)
+    src = ParquetSource("web", str(tmp_path / "web.parquet"), Tokenize(spm_model), on_error="skip", epochs=1)
+    delivered = []
+    with ol.OverlordLoader([src], one_source_strategy, ol.ClientPlaceTree(dp=2), rank=None, global_batch=batch,
+                           seq_len=None, prefetch=0) as loader:
+        for item in loader:
+            keys = loader.last_plan.sampled_keys()
+            assert len(keys) == batch and all(k.source == "web" for k in keys)
+            assert all(it["delivery"] == "data" for it in item.values())
+            delivered += [k.index for k in keys]
+        stats = loader.stats()["sources"]["web"]
+    good = sorted(set(range(n)) - bad)
+    # every full step was delivered; only the last, short one (the source ran out) is missing
+    assert len(delivered) == len(set(delivered)) == batch * (len(good) // batch)
+    assert set(delivered) <= set(good)
+    assert "finished their configured epochs" in loader.exhausted_reason
+    assert stats["skipped"] == len(bad) and stats["skipped_distinct"] == len(bad)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(3, 40), bad_frac=st.floats(0, 0.9), rg=st.integers(1, 9), buffer_size=st.integers(1, 12),
+       workers=st.sampled_from([0, 2]), seed=st.integers(0, 2**16), cut=st.floats(0, 1))
+def test_buffer_is_full_unless_exhausted_and_every_good_row_comes_once_per_epoch(
+        spm_model, tmp_path_factory, n, bad_frac, rg, buffer_size, workers, seed, cut):
+    rng = np.random.default_rng(seed)
+    bad = set(rng.choice(n, int(bad_frac * n), replace=False).tolist())     # at most 90%: some row is good
+    path = write_texts(tmp_path_factory.mktemp("prop") / "s.parquet", range(n), bad, row_group_size=rg)
+    epochs = 2
+
+    def make():
+        src = ParquetSource("s", path, Tokenize(spm_model), on_error="skip", epochs=epochs, seed=seed % 7)
+        return SourceLoader(src, buffer_size=buffer_size, workers=workers)
+
+    def run(loader, start, stop=None):
+        """Take a random part of the buffer each step (as plans do); the indices taken, per step."""
+        out = []
+        for step in range(start, stop if stop is not None else 10**6):
+            meta = loader.metadata()
+            assert len(meta) == buffer_size or loader.exhausted
+            if not len(meta):
+                break
+            chosen = np.random.default_rng([seed, step]).random(len(meta)) < 0.6
+            chosen[0] = True                                     # the oldest is never starved forever
+            out.append(loader.take(meta.index[chosen].tolist()))
+        return [sorted(x) for x in out]
+
+    loader = make()
+    try:
+        steps = run(loader, 0)
+    finally:
+        loader.close()
+    taken = sorted(i for s in steps for i in s)
+    good = [g for g in range(n) if g not in bad]
+    assert taken == sorted(e * n + g for e in range(epochs) for g in good)     # none lost, none twice
+    assert loader.stats()["skipped"] == len(bad) * epochs
+
+    # resume from a midpoint continues with exactly the same takes
+    k = int(cut * len(steps))
+    first = make()
+    try:
+        run(first, 0, k)
+        state = first.get_state()
+    finally:
+        first.close()
+    again = make()
+    try:
+        again.reset(state)
+        assert run(again, k) == steps[k:]
+    finally:
+        again.close()
+
+
+def test_a_source_whose_every_row_is_skipped_raises_instead_of_cycling(spm_model, tmp_path):
+    path = write_texts(tmp_path / "nulls.parquet", range(9), bad=set(range(9)), row_group_size=2)
+    loader = SourceLoader(ParquetSource("nulls", path, Tokenize(spm_model), on_error="skip"), buffer_size=4)
+    with pytest.raises(SourceReadError, match=r"source 'nulls': .*no row of this source is usable") as err:
+        loader.metadata()
+    assert "nulls.parquet" in str(err.value) and "null" in str(err.value)
+    src = ParquetSource("nulls", path, Tokenize(spm_model), on_error="skip")
+    with pytest.raises(SourceReadError, match="no row of this source is usable"):
+        next(src)
+    # one usable row is enough to go on forever
+    path = write_texts(tmp_path / "one.parquet", range(9), bad=set(range(9)) - {5}, row_group_size=2)
+    src = ParquetSource("one", path, Tokenize(spm_model), on_error="skip", seed=1)
+    assert [k for k, _ in (next(src) for _ in range(20))] == [5] * 20
+
+
+# ---- item 8: a file without the transform's column ---------------------------------------------------------
+
+def test_file_without_the_transforms_column_says_to_fix_the_transforms_field(spm_model, tmp_path):
+    path = write_texts(tmp_path / "code.parquet", range(5), field="content")
+    with pytest.raises(ol.ConfigError) as err:
+        ParquetSource("code", path, Tokenize(spm_model, field="text"))
+    msg = str(err.value)
+    assert "code.parquet" in msg and "'text'" in msg and "'content'" in msg
+    assert "Tokenize(field=" in msg and "columns=" not in msg
+
+
+def test_file_without_the_transforms_column_is_skipped_under_on_error_skip(spm_model, tmp_path, caplog):
+    d = tmp_path / "data"
+    d.mkdir()
+    write_texts(d / "a.parquet", range(0, 6))
+    write_texts(d / "b.parquet", range(6, 10), field="content")        # the odd file out
+    write_texts(d / "c.parquet", range(10, 15))
+    with caplog.at_level(logging.WARNING, logger="torchdata_overlord"):
+        src = ParquetSource("web", str(d / "*.parquet"), Tokenize(spm_model), on_error="skip", epochs=1,
+                            shuffle=False)
+    assert [s["file"].rsplit("/", 1)[1] for s in src.skipped] == ["b.parquet"]
+    assert "has no column(s) ['text']" in src.skipped[0]["error"] and src.skipped[0]["row"] is None
+    assert any("b.parquet" in line for line in skip_lines(caplog))
+    gids = pq.read_table(d / "a.parquet")["gid"].to_pylist() + pq.read_table(d / "c.parquet")["gid"].to_pylist()
+    assert [k for k, _ in src] == list(range(len(gids)))            # the two files' rows, keys dense
+    # every file without it: the error says why there is nothing to read
+    with pytest.raises(ol.ConfigError, match=r"has no rows .*2 skipped; first skipped: .*has no column"):
+        ParquetSource("code", str(d / "[ac].parquet"), Tokenize(spm_model, field="content"), on_error="skip")
+
+
+# ---- item 9: a summary per source at most every N seconds, exact counts in stats() -------------------------
+
+def test_a_bad_row_is_logged_once_then_summed_up_not_again_every_epoch(spm_model, tmp_path, caplog):
+    epochs, bad = 30, {2, 7}
+    path = write_texts(tmp_path / "web.parquet", range(10), bad)
+    src = ParquetSource("web", path, Tokenize(spm_model), on_error="skip", epochs=epochs)   # 60 s between lines
+    loader = SourceLoader(src, buffer_size=4)
+    with caplog.at_level(logging.WARNING, logger="torchdata_overlord"):
+        served = 0
+        while len(loader.metadata()):
+            served += len(loader.take(loader.metadata().index.tolist()))
+        assert len(skip_lines(caplog)) == 1                # not 60: the first skip, in full
+        assert loader.stats()["skipped"] == len(bad) * epochs and loader.stats()["skipped_distinct"] == 2
+        loader.close()
+    lines = skip_lines(caplog)
+    assert len(lines) == 2 and "59 more" in lines[1] and "60 in all" in lines[1] and "2 distinct" in lines[1]
+    assert served == (10 - len(bad)) * epochs
+    assert sorted(s["count"] for s in src.skipped) == [epochs, epochs]
+
+
+def test_a_restore_does_not_count_a_skip_again(spm_model, tmp_path):
+    path = write_texts(tmp_path / "web.parquet", range(12), {1, 9})
+    src = ParquetSource("web", path, Tokenize(spm_model), on_error="skip", shuffle=False)
+    loader = SourceLoader(src, buffer_size=5)
+    state = loader.get_state()
+    loader.take(loader.metadata().index[:2].tolist())
+    assert loader.stats()["skipped"] == 1
+    loader.reset(state)                                    # re-reads row 1 of the same epoch
+    loader.metadata()
+    assert loader.stats()["skipped"] == 1
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(interval=st.sampled_from([0.0, 1.0, 5.0, 30.0]),
+       events=st.lists(st.tuples(st.floats(0, 8), st.integers(0, 5), st.integers(0, 1)), min_size=1, max_size=60))
+def test_skip_log_writes_at_most_a_line_per_interval_and_loses_no_count(caplog, interval, events):
+    now = [0.0]
+    log = SkipLog("s", interval, clock=lambda: now[0])
+    epoch, counted, times = 0, set(), []
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="torchdata_overlord"):
+        for dt, row, next_epoch in events:
+            now[0] += dt
+            epoch += next_epoch
+            before = len(caplog.records)
+            log.add("f.parquet", row, "TypeError: null", epoch)
+            counted.add((row, epoch))
+            times += [now[0]] * (len(caplog.records) - before)
+        assert log.total == len(counted) and log.stats()["skipped_distinct"] == len({r for r, _ in counted})
+        assert all(b - a >= interval for a, b in zip(times, times[1:]))      # at most one line per interval
+        log.flush()
+    lines = [r.getMessage() for r in caplog.records]
+    # every skip is in exactly one line: the first by itself, the others in the summaries' "N more"
+    assert 1 + sum(int(m) for line in lines for m in re.findall(r"skipped (\d+) more", line)) == log.total
+    log.flush()
+    assert len(caplog.records) == len(lines)               # nothing left to say

@@ -1,0 +1,157 @@
+"""Preflight: can a role process load this object? Checked before any role process starts.
+
+The rpc runtime pickles the strategy and every source's transform to role processes. A pickle
+names functions and classes by module and name, and a role process imports the trainer's main
+script the way ``multiprocessing`` does: under another name, without running its
+``if __name__ == "__main__":`` block. So a strategy defined in that block pickles fine here and
+then fails there, deep in a nested RPC traceback. This module finds every function and class the
+pickle refers to (one pickling pass, no new interpreter) and reads the main script's syntax tree
+to see whether each ``__main__`` name is bound outside the guard.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import io
+import os
+import pickle
+import sys
+import types
+from functools import lru_cache
+
+from ..errors import ConfigError
+
+__all__ = ["check_loadable"]
+
+
+class _RefPickler(pickle.Pickler):
+    """A pickler that notes the ``(module, qualname)`` of every function and class it saves by name."""
+
+    def __init__(self, file):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.refs: set[tuple[str | None, str]] = set()
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (type, types.FunctionType)):
+            self.refs.add((getattr(obj, "__module__", None), obj.__qualname__))
+        return NotImplemented
+
+
+def check_loadable(obj, what: str) -> None:
+    """Raise :class:`ConfigError` (one line: what to move where) if a role process could not load
+    ``obj``: it does not pickle, or it refers to a name defined under the main script's
+    ``if __name__ == "__main__":`` (or in an interactive ``__main__``), or to a module a fresh
+    process cannot import. ``what`` names it in the message (``"the strategy"``)."""
+    pickler = _RefPickler(io.BytesIO())
+    try:
+        pickler.dump(obj)
+    except Exception as e:          # noqa: BLE001 - any pickling failure: say what to do
+        raise ConfigError(f"runtime='rpc' sends {what} to its role processes, so it must pickle (define it at module "
+                          f"level, not as a closure or lambda): {type(e).__name__}: {e}") from e
+    for module, qualname in sorted(pickler.refs, key=str):
+        problem = _unloadable(module, qualname)
+        if problem:
+            raise ConfigError(f"runtime='rpc' cannot send {what} to its role processes: {problem}")
+
+
+def _unloadable(module: str | None, qualname: str) -> str | None:
+    """Why a fresh role process could not find ``module.qualname`` (None: it can, or we cannot tell)."""
+    if module is None:
+        return None
+    if module != "__main__":
+        try:
+            found, why = importlib.util.find_spec(module), "no such module on sys.path"
+        except ModuleNotFoundError as e:
+            found, why = None, str(e)
+        except ValueError:                         # no __spec__: made in memory, unless it has a file
+            in_memory = getattr(sys.modules.get(module), "__file__", None) is None
+            found, why = (None if in_memory else True), "it was made in memory, it has no file"
+        except ImportError:                        # a parent failed to import here: not ours to judge
+            return None
+        if found is None:
+            return (f"`{qualname}` comes from module {module!r}, which a new process cannot import ({why}); "
+                    f"define it in an importable module")
+        return None
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    path = getattr(spec, "origin", None) or getattr(main, "__file__", None)
+    top = qualname.split(".")[0]
+    if not path or not os.path.isfile(path):
+        return (f"`{qualname}` is defined in an interactive `__main__` (no file), which role processes cannot "
+                f"import; move `{top}` into a .py module and import it from there")
+    outside, guarded = _main_names(path, os.stat(path).st_mtime_ns)
+    if outside is not None and top in guarded and top not in outside:
+        return (f"`{qualname}` is defined inside `if __name__ == \"__main__\":` in {path}, which role processes "
+                f"import without running that block; move `{top}` above the guard, to module level")
+    return None
+
+
+@lru_cache(maxsize=8)
+def _main_names(path: str, mtime_ns: int) -> tuple[frozenset | None, frozenset]:
+    """Names a script binds at module level outside / inside its ``if __name__ == "__main__":``
+    blocks; ``None`` outside when it cannot be told (a ``*`` import, unreadable source)."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None, frozenset()
+    outside: set[str] = set()
+    guarded: set[str] = set()
+    star = [False]
+
+    def visit(stmts, names: set[str]) -> None:
+        for node in stmts:
+            if isinstance(node, ast.If) and _is_main_guard(node.test):
+                visit(node.body, guarded)
+                visit(node.orelse, names)          # the else branch runs on import
+            elif isinstance(node, (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith)):
+                for t in [getattr(node, "target", None)] + [i.optional_vars for i in getattr(node, "items", [])]:
+                    _targets(t, names)
+                visit(node.body, names)
+                visit(getattr(node, "orelse", []), names)
+            elif isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
+                visit(node.body, names)
+                for h in node.handlers:
+                    if h.name:
+                        names.add(h.name)
+                    visit(h.body, names)
+                visit(node.orelse, names)
+                visit(node.finalbody, names)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                for t in node.targets:
+                    _targets(t, names)
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                _targets(node.target, names)
+            elif isinstance(node, ast.Import):
+                names.update(a.asname or a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                for a in node.names:
+                    if a.name == "*" and names is outside:
+                        star[0] = True
+                    names.add(a.asname or a.name)
+
+    visit(tree.body, outside)
+    return (None if star[0] else frozenset(outside)), frozenset(guarded)
+
+
+def _targets(node, names: set[str]) -> None:
+    """The plain names an assignment target binds."""
+    if isinstance(node, ast.Name):
+        names.add(node.id)
+    elif isinstance(node, (ast.Tuple, ast.List)):
+        for elt in node.elts:
+            _targets(elt, names)
+    elif isinstance(node, ast.Starred):
+        _targets(node.value, names)
+
+
+def _is_main_guard(test) -> bool:
+    """``__name__ == "__main__"`` (either way round)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return (any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides)
+            and any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides))
