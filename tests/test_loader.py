@@ -450,3 +450,45 @@ def test_dynamic_schedule_feedback_through_the_loader_is_deterministic_and_resum
         static.feedback({"web": 1.0})
         with pytest.raises(ol.ConfigError, match="no schedule"):
             [x for _, x in zip(range(4), static)]
+
+
+@pytest.mark.slow
+def test_a_failed_step_is_raised_never_read_as_the_end_of_the_stream(corpus):
+    """The producer's last item is its failed step (or an end marker), so ``next()`` raises the
+    step's error whatever the thread switch timing; it never infers the end from the thread having
+    exited. A wide switch interval lets the producer queue its failure and exit while ``next()``
+    is between two polls of the queue: the window in which the error used to become a bare
+    ``StopIteration``."""
+    script = f"""
+import json, sys, time, random
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from test_loader import make_sources
+import torchdata_overlord as ol
+from torchdata_overlord.sim.corpus import build_demo_corpus
+corpus = build_demo_corpus({str(Path(corpus.root))!r}, scale="test", seed=0)
+sys.setswitchinterval(0.5)                  # the planning thread keeps the GIL while it fails and exits
+rng = random.Random(0)
+
+def failing(g):                             # CPU-bound planning that ends in an error
+    end = time.perf_counter() + rng.uniform(0.05, 0.3)
+    while time.perf_counter() < end:
+        pass
+    raise RuntimeError("strategy failed")
+
+outcomes = []
+with ol.OverlordLoader(make_sources(corpus, names=("web",)), failing, ol.ClientPlaceTree(dp=1), rank=0,
+                       global_batch=2, seq_len=None, prefetch=1) as loader:
+    for _ in range(16):                     # each iter() restarts at step 0, whose plan fails again
+        try:
+            next(iter(loader))
+            outcomes.append("item")
+        except StopIteration:
+            outcomes.append("StopIteration")
+        except RuntimeError as e:
+            outcomes.append(str(e))
+print(json.dumps(outcomes))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    outcomes = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert outcomes == ["strategy failed"] * 16, outcomes

@@ -35,6 +35,15 @@ log = logging.getLogger("torchdata_overlord")
 RUNTIMES = {"local": LocalJob, "rpc": RpcJob}
 
 
+_END = object()      # the producer's last item when it stops without a failed step
+
+
+def _failed(e: BaseException) -> cf.Future:
+    fut: cf.Future = cf.Future()
+    fut.set_exception(e)
+    return fut
+
+
 def _pin(x):
     if isinstance(x, torch.Tensor):
         return x.pin_memory()
@@ -172,23 +181,29 @@ class OverlordLoader:
     def _produce(self, stop: threading.Event, out: queue.SimpleQueue, slots: queue.SimpleQueue,
                  ahead: collections.deque) -> None:
         """Submit steps ahead of the trainer (at most ``prefetch`` not yet consumed); the queue holds
-        each step's future in order (LocalJob computes it here, RpcJob's roles compute it remotely)."""
+        each step's future in order (LocalJob computes it here, RpcJob's roles compute it remotely).
+        The last item this thread queues is a failed step's future or ``_END`` (stopped), so the
+        trainer never has to guess from the thread's liveness why nothing more comes."""
         ranks = None if self.rank is None else [self.rank]
-        while not stop.is_set():
-            try:
-                slots.get(timeout=0.1)              # at most `prefetch` steps built and not yet consumed
-            except queue.Empty:
-                continue
-            try:
-                with self._lock:
-                    fut = self._job.submit(ranks, consumed=self._consumed[self.K_STEP])
-            except BaseException as e:  # noqa: BLE001 (handed to the trainer thread, re-raised there)
-                fut = cf.Future()
-                fut.set_exception(e)
-            ahead.append(fut)
-            out.put(fut)
-            if fut.done() and fut.exception() is not None:
-                return
+        try:
+            while not stop.is_set():
+                try:
+                    slots.get(timeout=0.1)              # at most `prefetch` steps built and not yet consumed
+                except queue.Empty:
+                    continue
+                try:
+                    with self._lock:
+                        fut = self._job.submit(ranks, consumed=self._consumed[self.K_STEP])
+                except BaseException as e:  # noqa: BLE001 (handed to the trainer thread, re-raised there)
+                    fut = _failed(e)
+                ahead.append(fut)
+                out.put(fut)
+                if fut.done() and fut.exception() is not None:
+                    return
+        except BaseException as e:  # noqa: BLE001 (a fault of this loop itself: the trainer raises it)
+            out.put(_failed(e))
+        finally:
+            out.put(_END)
 
     def __next__(self) -> dict:
         if not self._active:
@@ -202,13 +217,15 @@ class OverlordLoader:
             while True:
                 try:
                     fut = self._queue.get(timeout=0.1)
-                    self._ahead.popleft()
                     break
                 except queue.Empty:
-                    if self._thread is None or not self._thread.is_alive():
-                        self._end()
-                        raise StopIteration from None
                     self._check_timeout(t0)
+            if fut is _END:                 # stopped by close() or iter() from another thread
+                self._end()
+                raise OverlordError("the prefetch thread was stopped (close() or iter() from another thread) "
+                                    "while next() waited; call iter() to continue from the consumed step")
+            if self._ahead and self._ahead[0] is fut:
+                self._ahead.popleft()
         ready = fut.done()
         while True:
             try:
