@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import copy
-import json
 import logging
 import queue
 import threading
@@ -24,7 +23,9 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from . import loader_state
 from .errors import ConfigError, OverlordError
+from .plane.mixture_probe import mixture_spec
 from .plane.place_tree import ClientPlaceTree
 from .runtime.local import LocalJob, SourceExhausted
 from .runtime.rpc_job import RpcJob
@@ -95,8 +96,7 @@ class OverlordLoader:
     plus ``"encoder"`` (the images this rank embeds) when the plan carries an encoder module.
     """
 
-    VERSION = 1
-    K_VERSION, K_CONFIG, K_STEP, K_JOB = "version", "config", "step", "job"
+    K_STEP, K_JOB = loader_state.STEP, loader_state.JOB
 
     def __init__(self, sources: Iterable, strategy: Callable, mesh: ClientPlaceTree, rank: int | None,
                  global_batch: int, seq_len: int | None, runtime: str = "local", seed: int = 0, prefetch: int = 2,
@@ -135,8 +135,10 @@ class OverlordLoader:
         self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,
                                       buffer_size=buffer_size, workers=workers, image_token_id=image_token_id,
                                       pad_id=pad_id, **extra)
-        self._config = {"sources": [getattr(s, "name", s) for s in sources], "seed": seed, "global_batch": global_batch,
-                        "seq_len": seq_len, "mesh": mesh.to_dict(), "image_token_id": image_token_id}
+        names = [getattr(s, "name", s) for s in sources]
+        self._config = {"sources": names, "seed": seed, "global_batch": global_batch, "seq_len": seq_len,
+                        "mesh": mesh.to_dict(), "image_token_id": image_token_id,
+                        loader_state.MIXTURE: mixture_spec(strategy, mesh, names, global_batch, seed)}
         self._consumed = {self.K_STEP: 0, self.K_JOB: self._job.state_dict()}
         self._pending: dict | None = None
         self._thread: threading.Thread | None = None
@@ -308,31 +310,30 @@ class OverlordLoader:
 
     def state_dict(self) -> dict:
         """What the trainer consumed (or a loaded state still to apply): plain types only, so
-        ``torch.load(weights_only=True)`` reads it.
-
-        The roles' state (whose shape changes as the job runs) is one JSON string, so the dict's
-        structure is the same for every loader of a configuration: ``torch.distributed.checkpoint``
-        loads into the structure of the live loader's ``state_dict()`` and would drop anything else.
+        ``torch.load(weights_only=True)`` reads it; the format is in :mod:`~torchdata_overlord.loader_state`
+        (version, config with the strategy's mixture, step, the roles' state as one JSON string and its
+        checksum; the same structure for every loader of a configuration, as
+        ``torch.distributed.checkpoint`` needs).
         """
         if self._pending is not None:                 # a loaded state not yet applied
             step, job = self._pending[self.K_STEP], self._pending[self.K_JOB]
         else:
             step, job = self._consumed[self.K_STEP], self._job_state(self._consumed)
-        return {self.K_VERSION: self.VERSION, self.K_CONFIG: copy.deepcopy(self._config),
-                self.K_STEP: step, self.K_JOB: json.dumps(job, sort_keys=True)}
+        return loader_state.pack(copy.deepcopy(self._config), step, job)
 
-    def load_state_dict(self, state: Mapping) -> None:
-        """Copy ``state``; the next ``iter()`` continues exactly after the step it describes."""
-        if not isinstance(state, Mapping) or state.get(self.K_VERSION) != self.VERSION:
-            raise ConfigError(f"not an OverlordLoader state of version {self.VERSION}: keys "
-                              f"{sorted(state) if isinstance(state, Mapping) else type(state).__name__}")
-        theirs = state[self.K_CONFIG]
-        diffs = [f"{k}: saved {theirs.get(k)!r}, now {v!r}" for k, v in self._config.items() if theirs.get(k) != v]
-        if diffs:
-            raise ConfigError("this state comes from another loader configuration: " + "; ".join(diffs))
-        job = state[self.K_JOB]
-        job = json.loads(job) if isinstance(job, str) else copy.deepcopy(dict(job))
-        self._pending = {self.K_STEP: int(state[self.K_STEP]), self.K_JOB: job}
+    def load_state_dict(self, state: Mapping, strict: bool = True) -> list[str]:
+        """Check ``state`` as a whole and copy it; the next ``iter()`` continues exactly after the
+        step it describes. A state that is not one this configuration wrote, unmodified, is refused
+        with a :class:`ConfigError` naming the first inconsistency. A state saved under another
+        mixing strategy is refused too unless ``strict=False``: it then continues from the saved
+        position with this loader's strategy, and the changes are returned and warned about.
+        (``torch.distributed.checkpoint.load`` calls this with ``strict=True``; to opt in there,
+        load into ``{"loader": loader.state_dict()}`` and pass that entry here.)"""
+        step, job, changes = loader_state.unpack(state, self._config, strict)
+        if changes:
+            warnings.warn("OverlordLoader.load_state_dict(strict=False): " + "; ".join(changes), stacklevel=2)
+        self._pending = {self.K_STEP: step, self.K_JOB: job}
+        return changes
 
     # -- shutdown ------------------------------------------------------------------------------
     def _stop_producer(self) -> None:
