@@ -2,10 +2,12 @@
 
 Iterating yields, per training step, what this rank receives: its microbatches as dicts of
 tensors (or metadata only, or nothing, as the plan says). A background thread prefetches
-``prefetch`` steps (``prefetch=0``: no thread, each ``next()`` builds its own step). ``state_dict()`` describes what the trainer has *consumed*, not what was
-prefetched, holds only plain Python types, is cheap and side-effect free; ``load_state_dict()``
-copies its input and applies it at the next ``iter()``, which continues with exactly the steps
-an uninterrupted run would have produced.
+``prefetch`` steps (``prefetch=0``: no thread, each ``next()`` builds its own step); a failed step
+reaches the trainer as its exception, never as the end of the stream. ``state_dict()`` describes
+what the trainer has *consumed*, not what was prefetched, holds only plain Python types, is cheap
+and side-effect free; ``load_state_dict()`` checks its input as a whole (see
+:mod:`~torchdata_overlord.loader_state`), copies it and applies it at the next ``iter()``, which
+continues with exactly the steps an uninterrupted run would have produced.
 """
 
 from __future__ import annotations
@@ -94,6 +96,27 @@ class OverlordLoader:
     Each item: ``{"step": int, "delivery": "data" | "metadata" | "none", "microbatches": list | None}``
     (see :class:`~torchdata_overlord.roles.constructor.DataConstructor` for the microbatch fields),
     plus ``"encoder"`` (the images this rank embeds) when the plan carries an encoder module.
+    ``image_token_id`` is your tokenizer's id of the image placeholder piece (e.g. ``"<image>"``
+    trained as a sentencepiece ``user_defined_symbols`` entry:
+    ``SentencePieceProcessor(model_file=spm_path).piece_to_id("<image>")``): each image stands in the
+    backbone sequence as ``patches`` copies of it, counted in the tokens that packing and balancing
+    see. ``None``: text-only sequences; images still ride along.
+
+    Iteration (as ``StatefulDataLoader`` after a ``load_state_dict``, since a mixed stream has no
+    epochs to restart): the loader is one stream over the whole run and its own iterator. A second
+    ``iter()`` (a new ``for`` after a ``break``) continues after the last step the trainer consumed;
+    steps prefetched but not consumed are built again, so nothing is skipped or repeated. After a
+    failed step, ``iter()`` tries that step again. Each source reshuffles itself at each of its
+    epochs (``ParquetSource(seed=..., epochs=...)``), so there is no ``set_epoch``. With
+    ``epochs=None`` (default) a source repeats forever; with finite epochs the stream ends
+    (``StopIteration``, the reason in ``exhausted_reason``) at the first step that a finished source
+    cannot fill its share of: the first source to run out ends it, as torchdata's
+    ``StopCriteria.FIRST_DATASET_EXHAUSTED`` and ``drop_last=True`` would, because bending the
+    mixture to use up the other sources would break the schedule. ``next()`` then keeps raising
+    ``StopIteration`` and ``iter()`` raises :class:`OverlordError` saying why (a silent empty epoch
+    would read as "done"); ``load_state_dict()`` of an earlier state reads the stream again.
+    ``len()`` raises ``TypeError``: how many steps a finite stream has depends on the mixture, the
+    buffers and skipped rows; count steps (``itertools.islice(loader, steps)``).
     """
 
     K_STEP, K_JOB = loader_state.STEP, loader_state.JOB
@@ -159,13 +182,20 @@ class OverlordLoader:
 
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> "OverlordLoader":
-        """Start (or restart) producing from the consumed position, or from a loaded state."""
+        """Start (or restart) producing from the consumed position, or from a loaded state; after
+        the stream ended (a source finished its epochs), only a loaded state starts it again."""
         if self._closed:
             raise OverlordError("this OverlordLoader is closed")
+        if self._pending is None and self.exhausted_reason is not None:
+            raise OverlordError(f"this stream ended after step {self._consumed[self.K_STEP] - 1}: "
+                                f"{self.exhausted_reason}. An OverlordLoader is one stream over the whole run, not "
+                                f"an epoch: give the sources more epochs (ParquetSource(epochs=N), None: forever) "
+                                f"for more passes, or load_state_dict() an earlier state to read it again")
         self._stop_producer()
         if self._pending is not None:
             self._consumed, self._pending = self._pending, None
             self._feedback = copy.deepcopy(self._consumed[self.K_JOB].get(LocalJob.FEEDBACK, []))
+            self.exhausted_reason = None
         self._job.load_state_dict(self._job_state(self._consumed))
         self._active = True
         if self.prefetch == 0:                 # no producer: each next() builds its own step
@@ -209,6 +239,8 @@ class OverlordLoader:
 
     def __next__(self) -> dict:
         if not self._active:
+            if self._pending is None and self.exhausted_reason is not None:
+                raise StopIteration            # an ended stream stays ended (a loaded state restarts it)
             iter(self)
         t0 = time.perf_counter()
         if self.prefetch == 0:
@@ -253,6 +285,14 @@ class OverlordLoader:
         self._feedback = [f for f in self._feedback if f[0] >= planned]   # the rest is in the snapshot
         self.last_plan = res.plan
         return self._package(res.step, res.outputs)
+
+    def __len__(self) -> int:
+        raise TypeError("an OverlordLoader has no len(): sources with epochs=None repeat forever, and with finite "
+                        "epochs the stream ends when the first source runs out, which depends on the mixture, the "
+                        "buffers and skipped rows; count steps instead, e.g. itertools.islice(loader, steps)")
+
+    def __bool__(self) -> bool:
+        return True                        # not len(): a loader is always true
 
     def _end(self) -> None:
         """The stream stopped (exhausted or failed): stop the producer; a next ``iter()`` restarts."""
