@@ -450,3 +450,105 @@ def test_dynamic_schedule_feedback_through_the_loader_is_deterministic_and_resum
         static.feedback({"web": 1.0})
         with pytest.raises(ol.ConfigError, match="no schedule"):
             [x for _, x in zip(range(4), static)]
+
+
+@pytest.mark.slow
+def test_a_failed_step_is_raised_never_read_as_the_end_of_the_stream(corpus):
+    """The producer's last item is its failed step (or an end marker), so ``next()`` raises the
+    step's error whatever the thread switch timing; it never infers the end from the thread having
+    exited. A wide switch interval lets the producer queue its failure and exit while ``next()``
+    is between two polls of the queue: the window in which the error used to become a bare
+    ``StopIteration``."""
+    script = f"""
+import json, sys, time, random
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from test_loader import make_sources
+import torchdata_overlord as ol
+from torchdata_overlord.sim.corpus import build_demo_corpus
+corpus = build_demo_corpus({str(Path(corpus.root))!r}, scale="test", seed=0)
+sys.setswitchinterval(0.5)                  # the planning thread keeps the GIL while it fails and exits
+rng = random.Random(0)
+
+def failing(g):                             # CPU-bound planning that ends in an error
+    end = time.perf_counter() + rng.uniform(0.05, 0.3)
+    while time.perf_counter() < end:
+        pass
+    raise RuntimeError("strategy failed")
+
+outcomes = []
+with ol.OverlordLoader(make_sources(corpus, names=("web",)), failing, ol.ClientPlaceTree(dp=1), rank=0,
+                       global_batch=2, seq_len=None, prefetch=1) as loader:
+    for _ in range(16):                     # each iter() restarts at step 0, whose plan fails again
+        try:
+            next(iter(loader))
+            outcomes.append("item")
+        except StopIteration:
+            outcomes.append("StopIteration")
+        except RuntimeError as e:
+            outcomes.append(str(e))
+print(json.dumps(outcomes))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    outcomes = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert outcomes == ["strategy failed"] * 16, outcomes
+
+
+def test_a_new_for_loop_continues_after_the_last_consumed_step(corpus):
+    """iter() again (a new ``for`` after a ``break``) continues the stream: steps prefetched but not
+    consumed are built again, so nothing is skipped or repeated."""
+    with make_loader(corpus, "dp", dict(dp=2)) as ref:
+        stream = [x for _, x in zip(range(4), ref)]
+    got = []
+    with make_loader(corpus, "dp", dict(dp=2), prefetch=2) as loader:
+        for _ in range(2):
+            for item in loader:
+                got.append(item)
+                if len(got) % 2 == 0:
+                    break
+    assert [x[0]["step"] for x in got] == [0, 1, 2, 3]
+    for a, b in zip(got, stream):
+        assert_identical(a, b)
+
+
+def test_a_finite_stream_ends_with_its_first_finished_source_and_stays_ended(corpus):
+    """epochs=1: the stream ends at the first step a finished source cannot fill its share of (the
+    mixture is never bent to use up the others); next() then keeps raising StopIteration, iter()
+    says why nothing comes, and a loaded state reads the stream again."""
+    import pyarrow.parquet as pq
+
+    rows = {n: sum(pq.ParquetFile(f).metadata.num_rows for f in sorted(Path(corpus.sources[n]).parent.glob("*.parquet")))
+            for n in ("web", "code")}
+    mesh = ol.ClientPlaceTree(dp=1)
+
+    def strategy(g):
+        return g.mix({"web": 0.5, "code": 0.5}).distribute("DP").cost(ol.token_count).balance("greedy").plan()
+
+    def make():
+        return ol.OverlordLoader(make_sources(corpus, epochs=1, names=("web", "code")), strategy, mesh, rank=0,
+                                 global_batch=8, seq_len=None)
+
+    with make() as loader:
+        with pytest.raises(TypeError, match="islice"):
+            len(loader)
+        assert loader                                           # truthy without a length
+        items, states = [], []
+        for item in loader:
+            items.append(item)
+            states.append(loader.state_dict())
+        taken = Counter(k.split(":")[0] for item in items for mb in item["microbatches"] for k in mb["sample_keys"])
+        first = min(rows, key=lambda n: rows[n] - taken[n])
+        assert rows[first] - taken[first] < 4                  # it could not give its 4 samples of one more step
+        other = next(n for n in rows if n != first)
+        assert rows[other] - taken[other] >= 4                 # the other had enough left: not used up
+        assert first in loader.exhausted_reason
+        with pytest.raises(StopIteration):
+            next(loader)
+        with pytest.raises(ol.OverlordError, match=f"ended after step {len(items) - 1}.*epochs"):
+            for _ in loader:
+                pass
+        loader.load_state_dict(states[0])
+        again = list(loader)
+    for a, b in zip(again, items[1:]):
+        assert_identical(a, b)
+    assert len(again) == len(items) - 1

@@ -98,6 +98,22 @@ def test_dynamic_state_round_trip():
         ol.Dynamic({"a": 1, "z": 1}).load_state_dict(d.state_dict())
 
 
+def test_spec_is_the_definition_not_the_running_state():
+    """What a checkpoint compares: equal for the same mixture at any scale, different for another."""
+    assert ol.Constant({"a": 1, "b": 3}).spec() == ol.Constant({"a": 0.25, "b": 0.75, "c": 0}).spec()
+    assert ol.Constant({"a": 1, "b": 3}).spec() != ol.Constant({"a": 1, "b": 2}).spec()
+    assert ol.Piecewise({0: {"a": 1}, 5: {"b": 2}}).spec() == ol.Piecewise({0: {"a": 3}, 5: {"b": 1}}).spec()
+    assert ol.Piecewise({0: {"a": 1}, 5: {"b": 2}}).spec() != ol.Piecewise({0: {"a": 1}, 6: {"b": 2}}).spec()
+    lin = ol.Linear({"a": 1}, {"b": 1}, steps=10)
+    assert lin.spec() != ol.Linear({"a": 1}, {"a": 1, "b": 1}, steps=10).spec()
+    assert lin.spec() != ol.Cosine({"a": 1}, {"b": 1}, steps=10).spec()
+    d = ol.Dynamic({"a": 1, "b": 3}, lr=0.5)
+    before = d.spec()
+    d.update({"a": 2.0, "b": 0.0})
+    assert d.weights(0) != ol.Dynamic({"a": 1, "b": 3}).weights(0) and d.spec() == before
+    assert d.spec() != ol.Dynamic({"a": 1, "b": 3}, lr=0.6).spec()
+
+
 # -- apportionment, by hand ------------------------------------------------------------------------
 def test_apportioner_hand_example():
     app = Apportioner()

@@ -2,10 +2,12 @@
 
 Iterating yields, per training step, what this rank receives: its microbatches as dicts of
 tensors (or metadata only, or nothing, as the plan says). A background thread prefetches
-``prefetch`` steps (``prefetch=0``: no thread, each ``next()`` builds its own step). ``state_dict()`` describes what the trainer has *consumed*, not what was
-prefetched, holds only plain Python types, is cheap and side-effect free; ``load_state_dict()``
-copies its input and applies it at the next ``iter()``, which continues with exactly the steps
-an uninterrupted run would have produced.
+``prefetch`` steps (``prefetch=0``: no thread, each ``next()`` builds its own step); a failed step
+reaches the trainer as its exception, never as the end of the stream. ``state_dict()`` describes
+what the trainer has *consumed*, not what was prefetched, holds only plain Python types, is cheap
+and side-effect free; ``load_state_dict()`` checks its input as a whole (see
+:mod:`~torchdata_overlord.loader_state`), copies it and applies it at the next ``iter()``, which
+continues with exactly the steps an uninterrupted run would have produced.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import copy
-import json
 import logging
 import queue
 import threading
@@ -24,7 +25,9 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from . import loader_state
 from .errors import ConfigError, OverlordError
+from .plane.mixture_probe import mixture_spec
 from .plane.place_tree import ClientPlaceTree
 from .runtime.coverage import check_clients_cover_mesh
 from .runtime.local import LocalJob, SourceExhausted
@@ -34,6 +37,15 @@ __all__ = ["OverlordLoader", "FaultTolerance"]
 
 log = logging.getLogger("torchdata_overlord")
 RUNTIMES = {"local": LocalJob, "rpc": RpcJob}
+
+
+_END = object()      # the producer's last item when it stops without a failed step
+
+
+def _failed(e: BaseException) -> cf.Future:
+    fut: cf.Future = cf.Future()
+    fut.set_exception(e)
+    return fut
 
 
 def _pin(x):
@@ -85,10 +97,30 @@ class OverlordLoader:
     Each item: ``{"step": int, "delivery": "data" | "metadata" | "none", "microbatches": list | None}``
     (see :class:`~torchdata_overlord.roles.constructor.DataConstructor` for the microbatch fields),
     plus ``"encoder"`` (the images this rank embeds) when the plan carries an encoder module.
+    ``image_token_id`` is your tokenizer's id of the image placeholder piece (e.g. ``"<image>"``
+    trained as a sentencepiece ``user_defined_symbols`` entry:
+    ``SentencePieceProcessor(model_file=spm_path).piece_to_id("<image>")``): each image stands in the
+    backbone sequence as ``patches`` copies of it, counted in the tokens that packing and balancing
+    see. ``None``: text-only sequences; images still ride along.
+
+    Iteration (as ``StatefulDataLoader`` after a ``load_state_dict``, since a mixed stream has no
+    epochs to restart): the loader is one stream over the whole run and its own iterator. A second
+    ``iter()`` (a new ``for`` after a ``break``) continues after the last step the trainer consumed;
+    steps prefetched but not consumed are built again, so nothing is skipped or repeated. After a
+    failed step, ``iter()`` tries that step again. Each source reshuffles itself at each of its
+    epochs (``ParquetSource(seed=..., epochs=...)``), so there is no ``set_epoch``. With
+    ``epochs=None`` (default) a source repeats forever; with finite epochs the stream ends
+    (``StopIteration``, the reason in ``exhausted_reason``) at the first step that a finished source
+    cannot fill its share of: the first source to run out ends it, as torchdata's
+    ``StopCriteria.FIRST_DATASET_EXHAUSTED`` and ``drop_last=True`` would, because bending the
+    mixture to use up the other sources would break the schedule. ``next()`` then keeps raising
+    ``StopIteration`` and ``iter()`` raises :class:`OverlordError` saying why (a silent empty epoch
+    would read as "done"); ``load_state_dict()`` of an earlier state reads the stream again.
+    ``len()`` raises ``TypeError``: how many steps a finite stream has depends on the mixture, the
+    buffers and skipped rows; count steps (``itertools.islice(loader, steps)``).
     """
 
-    VERSION = 1
-    K_VERSION, K_CONFIG, K_STEP, K_JOB = "version", "config", "step", "job"
+    K_STEP, K_JOB = loader_state.STEP, loader_state.JOB
 
     def __init__(self, sources: Iterable, strategy: Callable, mesh: ClientPlaceTree, rank: int | None,
                  global_batch: int, seq_len: int | None, runtime: str = "local", seed: int = 0, prefetch: int = 2,
@@ -128,8 +160,10 @@ class OverlordLoader:
         self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,
                                       buffer_size=buffer_size, workers=workers, image_token_id=image_token_id,
                                       pad_id=pad_id, **extra)
-        self._config = {"sources": [getattr(s, "name", s) for s in sources], "seed": seed, "global_batch": global_batch,
-                        "seq_len": seq_len, "mesh": mesh.to_dict(), "image_token_id": image_token_id}
+        names = [getattr(s, "name", s) for s in sources]
+        self._config = {"sources": names, "seed": seed, "global_batch": global_batch, "seq_len": seq_len,
+                        "mesh": mesh.to_dict(), "image_token_id": image_token_id,
+                        loader_state.MIXTURE: mixture_spec(strategy, mesh, names, global_batch, seed)}
         self._consumed = {self.K_STEP: 0, self.K_JOB: self._job.state_dict()}
         self._pending: dict | None = None
         self._thread: threading.Thread | None = None
@@ -150,13 +184,20 @@ class OverlordLoader:
 
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> "OverlordLoader":
-        """Start (or restart) producing from the consumed position, or from a loaded state."""
+        """Start (or restart) producing from the consumed position, or from a loaded state; after
+        the stream ended (a source finished its epochs), only a loaded state starts it again."""
         if self._closed:
             raise OverlordError("this OverlordLoader is closed")
+        if self._pending is None and self.exhausted_reason is not None:
+            raise OverlordError(f"this stream ended after step {self._consumed[self.K_STEP] - 1}: "
+                                f"{self.exhausted_reason}. An OverlordLoader is one stream over the whole run, not "
+                                f"an epoch: give the sources more epochs (ParquetSource(epochs=N), None: forever) "
+                                f"for more passes, or load_state_dict() an earlier state to read it again")
         self._stop_producer()
         if self._pending is not None:
             self._consumed, self._pending = self._pending, None
             self._feedback = copy.deepcopy(self._consumed[self.K_JOB].get(LocalJob.FEEDBACK, []))
+            self.exhausted_reason = None
         self._job.load_state_dict(self._job_state(self._consumed))
         self._active = True
         if self.prefetch == 0:                 # no producer: each next() builds its own step
@@ -174,26 +215,34 @@ class OverlordLoader:
     def _produce(self, stop: threading.Event, out: queue.SimpleQueue, slots: queue.SimpleQueue,
                  ahead: collections.deque) -> None:
         """Submit steps ahead of the trainer (at most ``prefetch`` not yet consumed); the queue holds
-        each step's future in order (LocalJob computes it here, RpcJob's roles compute it remotely)."""
+        each step's future in order (LocalJob computes it here, RpcJob's roles compute it remotely).
+        The last item this thread queues is a failed step's future or ``_END`` (stopped), so the
+        trainer never has to guess from the thread's liveness why nothing more comes."""
         ranks = None if self.rank is None else [self.rank]
-        while not stop.is_set():
-            try:
-                slots.get(timeout=0.1)              # at most `prefetch` steps built and not yet consumed
-            except queue.Empty:
-                continue
-            try:
-                with self._lock:
-                    fut = self._job.submit(ranks, consumed=self._consumed[self.K_STEP])
-            except BaseException as e:  # noqa: BLE001 (handed to the trainer thread, re-raised there)
-                fut = cf.Future()
-                fut.set_exception(e)
-            ahead.append(fut)
-            out.put(fut)
-            if fut.done() and fut.exception() is not None:
-                return
+        try:
+            while not stop.is_set():
+                try:
+                    slots.get(timeout=0.1)              # at most `prefetch` steps built and not yet consumed
+                except queue.Empty:
+                    continue
+                try:
+                    with self._lock:
+                        fut = self._job.submit(ranks, consumed=self._consumed[self.K_STEP])
+                except BaseException as e:  # noqa: BLE001 (handed to the trainer thread, re-raised there)
+                    fut = _failed(e)
+                ahead.append(fut)
+                out.put(fut)
+                if fut.done() and fut.exception() is not None:
+                    return
+        except BaseException as e:  # noqa: BLE001 (a fault of this loop itself: the trainer raises it)
+            out.put(_failed(e))
+        finally:
+            out.put(_END)
 
     def __next__(self) -> dict:
         if not self._active:
+            if self._pending is None and self.exhausted_reason is not None:
+                raise StopIteration            # an ended stream stays ended (a loaded state restarts it)
             iter(self)
         t0 = time.perf_counter()
         if self.prefetch == 0:
@@ -204,13 +253,15 @@ class OverlordLoader:
             while True:
                 try:
                     fut = self._queue.get(timeout=0.1)
-                    self._ahead.popleft()
                     break
                 except queue.Empty:
-                    if self._thread is None or not self._thread.is_alive():
-                        self._end()
-                        raise StopIteration from None
                     self._check_timeout(t0)
+            if fut is _END:                 # stopped by close() or iter() from another thread
+                self._end()
+                raise OverlordError("the prefetch thread was stopped (close() or iter() from another thread) "
+                                    "while next() waited; call iter() to continue from the consumed step")
+            if self._ahead and self._ahead[0] is fut:
+                self._ahead.popleft()
         ready = fut.done()
         while True:
             try:
@@ -236,6 +287,14 @@ class OverlordLoader:
         self._feedback = [f for f in self._feedback if f[0] >= planned]   # the rest is in the snapshot
         self.last_plan = res.plan
         return self._package(res.step, res.outputs)
+
+    def __len__(self) -> int:
+        raise TypeError("an OverlordLoader has no len(): sources with epochs=None repeat forever, and with finite "
+                        "epochs the stream ends when the first source runs out, which depends on the mixture, the "
+                        "buffers and skipped rows; count steps instead, e.g. itertools.islice(loader, steps)")
+
+    def __bool__(self) -> bool:
+        return True                        # not len(): a loader is always true
 
     def _end(self) -> None:
         """The stream stopped (exhausted or failed): stop the producer; a next ``iter()`` restarts."""
@@ -293,31 +352,30 @@ class OverlordLoader:
 
     def state_dict(self) -> dict:
         """What the trainer consumed (or a loaded state still to apply): plain types only, so
-        ``torch.load(weights_only=True)`` reads it.
-
-        The roles' state (whose shape changes as the job runs) is one JSON string, so the dict's
-        structure is the same for every loader of a configuration: ``torch.distributed.checkpoint``
-        loads into the structure of the live loader's ``state_dict()`` and would drop anything else.
+        ``torch.load(weights_only=True)`` reads it; the format is in :mod:`~torchdata_overlord.loader_state`
+        (version, config with the strategy's mixture, step, the roles' state as one JSON string and its
+        checksum; the same structure for every loader of a configuration, as
+        ``torch.distributed.checkpoint`` needs).
         """
         if self._pending is not None:                 # a loaded state not yet applied
             step, job = self._pending[self.K_STEP], self._pending[self.K_JOB]
         else:
             step, job = self._consumed[self.K_STEP], self._job_state(self._consumed)
-        return {self.K_VERSION: self.VERSION, self.K_CONFIG: copy.deepcopy(self._config),
-                self.K_STEP: step, self.K_JOB: json.dumps(job, sort_keys=True)}
+        return loader_state.pack(copy.deepcopy(self._config), step, job)
 
-    def load_state_dict(self, state: Mapping) -> None:
-        """Copy ``state``; the next ``iter()`` continues exactly after the step it describes."""
-        if not isinstance(state, Mapping) or state.get(self.K_VERSION) != self.VERSION:
-            raise ConfigError(f"not an OverlordLoader state of version {self.VERSION}: keys "
-                              f"{sorted(state) if isinstance(state, Mapping) else type(state).__name__}")
-        theirs = state[self.K_CONFIG]
-        diffs = [f"{k}: saved {theirs.get(k)!r}, now {v!r}" for k, v in self._config.items() if theirs.get(k) != v]
-        if diffs:
-            raise ConfigError("this state comes from another loader configuration: " + "; ".join(diffs))
-        job = state[self.K_JOB]
-        job = json.loads(job) if isinstance(job, str) else copy.deepcopy(dict(job))
-        self._pending = {self.K_STEP: int(state[self.K_STEP]), self.K_JOB: job}
+    def load_state_dict(self, state: Mapping, strict: bool = True) -> list[str]:
+        """Check ``state`` as a whole and copy it; the next ``iter()`` continues exactly after the
+        step it describes. A state that is not one this configuration wrote, unmodified, is refused
+        with a :class:`ConfigError` naming the first inconsistency. A state saved under another
+        mixing strategy is refused too unless ``strict=False``: it then continues from the saved
+        position with this loader's strategy, and the changes are returned and warned about.
+        (``torch.distributed.checkpoint.load`` calls this with ``strict=True``; to opt in there,
+        load into ``{"loader": loader.state_dict()}`` and pass that entry here.)"""
+        step, job, changes = loader_state.unpack(state, self._config, strict)
+        if changes:
+            warnings.warn("OverlordLoader.load_state_dict(strict=False): " + "; ".join(changes), stacklevel=2)
+        self._pending = {self.K_STEP: step, self.K_JOB: job}
+        return changes
 
     # -- shutdown ------------------------------------------------------------------------------
     def _stop_producer(self) -> None:

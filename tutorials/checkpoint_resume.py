@@ -3,9 +3,10 @@
 ``OverlordLoader.state_dict()`` describes what the trainer has *consumed*, not what the prefetch
 thread has already built; it holds only plain Python types (source positions, the Planner's step,
 mixing carry and schedule state: no sample bytes), so it goes into an ordinary checkpoint and
-``torch.load`` reads it back with its default ``weights_only=True``. ``load_state_dict()`` copies
-its input and applies it at the next ``iter()``, which continues with exactly the steps an
-uninterrupted run would have produced.
+``torch.load`` reads it back with its default ``weights_only=True``. ``load_state_dict()`` checks it
+as a whole (a state of another configuration, or truncated or edited, is refused; one saved under
+another mixture needs ``strict=False``), copies it and applies it at the next ``iter()``, which
+continues with exactly the steps an uninterrupted run would have produced.
 
 This walk-through trains (pretends to) for ``--save-at`` steps on the demo corpus's four real
 sources, saves the loader's state as a trainer would at a checkpoint, builds a *fresh* loader as a

@@ -8,6 +8,7 @@ interpolation (curriculum, warm-up), :class:`FromCallable` (any function of the 
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Callable, Mapping
 
@@ -54,6 +55,13 @@ class Schedule:
     def load_state_dict(self, state: Mapping) -> None:
         pass
 
+    def spec(self) -> dict:
+        """The schedule's definition as plain values, not its running state: a checkpoint records it,
+        so that resuming under another mixture is refused. By default the class and its JSON-able
+        attributes; a schedule with running state in its attributes overrides this."""
+        return {"kind": type(self).__qualname__,
+                **{k.lstrip("_"): v for k, v in sorted(vars(self).items()) if _plain(v)}}
+
     def __call__(self, step: int) -> dict[str, float]:
         return self.weights(step)
 
@@ -66,6 +74,24 @@ class Constant(Schedule):
 
     def weights(self, step: int) -> dict[str, float]:
         return dict(self._w)
+
+    def spec(self) -> dict:
+        return {"kind": "Constant", "weights": _normalised(self._w)}
+
+
+def _normalised(w: Mapping[str, float]) -> dict[str, float]:
+    """Sorted by name, without zero weights, summing to 1: the mixture the mixer uses, whatever the
+    scale given."""
+    total = sum(w.values())
+    return {k: w[k] / total for k in sorted(w) if w[k] > 0}
+
+
+def _plain(value) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 def _union(mixtures) -> set[str]:
@@ -92,6 +118,9 @@ class Piecewise(Schedule):
 
     def sources(self) -> set[str]:
         return set(self._stages[0])
+
+    def spec(self) -> dict:
+        return {"kind": "Piecewise", "steps": list(self._steps), "stages": [_normalised(w) for w in self._stages]}
 
 
 class Linear(Schedule):
@@ -138,6 +167,11 @@ class FromCallable(Schedule):
     def weights(self, step: int) -> dict[str, float]:
         return validate_weights(self._fn(step), f"schedule callable at step {step}")
 
+    def spec(self) -> dict:
+        """The function's name only: a changed body of the same function is not seen."""
+        fn = self._fn
+        return {"kind": "FromCallable", "fn": f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"}
+
 
 class Dynamic(Schedule):
     """Weights updated from per-source feedback (e.g. loss): ``w_i <- w_i * exp(lr * feedback_i)``.
@@ -152,6 +186,7 @@ class Dynamic(Schedule):
         w = validate_weights(initial, "Dynamic schedule initial weights")
         total = sum(w.values())
         self._w = {k: v / total for k, v in sorted(w.items())}
+        self._initial = dict(self._w)
         if not (lr > 0 and math.isfinite(lr)):
             raise ConfigError(f"Dynamic schedule: lr must be a positive finite number, got {lr!r}")
         if not 0 <= floor < 1:
@@ -179,6 +214,9 @@ class Dynamic(Schedule):
 
     def weights(self, step: int) -> dict[str, float]:
         return dict(self._w)
+
+    def spec(self) -> dict:
+        return {"kind": "Dynamic", "initial": dict(self._initial), "lr": self.lr, "floor": self.floor}
 
     def state_dict(self) -> dict:
         return {"weights": dict(self._w), "updates": self.updates}
