@@ -34,10 +34,13 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from .errors import ConfigError, OverlordError
 from .runtime import _rpc_worker as W
+from .runtime import rpc_leave as L
+from .runtime.rpc_agent import CPP_ERRORS_ONLY, set_cpp_log_level
 from .runtime.rendezvous import LAYOUT_KEY, SCHEME, connect_store, host_store, is_loopback
 from .runtime.rpc_job import RoleConfig, start_roles
 
@@ -119,10 +122,15 @@ class Launcher:
         self.store = None
         self.stopping = threading.Event()
 
+    @property
+    def address(self) -> str:
+        return f"{self.a.master_addr}:{self.a.master_port}"
+
     def layout(self) -> dict:
         a, n, c = self.a, self.n_workers, self.cfg.clients
         env = {"TP_SOCKET_IFNAME": a.interface, "GLOO_SOCKET_IFNAME": a.interface}
-        rendezvous = {"init_method": f"{SCHEME}://{a.master_addr}:{a.master_port}", "world_size": n + c + 1,
+        rendezvous = {"session": uuid.uuid4().hex, "ns": "", "address": self.address,
+                      "init_method": f"{SCHEME}://{self.address}", "world_size": n + c + 1,
                       "n_workers": n, "client_ranks": [n + i for i in range(c + 1)],
                       "rpc_timeout": a.rpc_timeout, "env": env if a.interface == "lo" else {}}
         return {"rendezvous": rendezvous, "placement": self.cfg.placement(n), "fingerprint": self.cfg.fingerprint(),
@@ -155,22 +163,22 @@ class Launcher:
 
     # -- node 0: the roles and the watch ---------------------------------------------------------
     def run_leader(self, layout: dict) -> int:
-        from .runtime.rpc_transport import RpcTransport, stop_rpc
+        from .runtime.rpc_transport import RpcTransport
 
         rv, clients = layout["rendezvous"], self.cfg.clients
         transport = RpcTransport.join(rv, clients, startup_timeout=self.a.join_timeout, stop_timeout=5.0)
-        start_roles(transport, self.cfg, self.n_workers, warm_timeout=self.a.join_timeout)
-        print(f"torchdata_overlord.launch: roles started on {self.n_workers} workers; trainers connect with "
-              f"address='{self.a.master_addr}:{self.a.master_port}'", flush=True)
-        transport._rpc_up = False            # this method owns the shutdown (no group barrier)
-        reason = self.watch(clients)
-        if reason is None:
-            log.info("every trainer left: stopping the roles")
-        else:
-            log.error("torchdata_overlord.launch: %s: stopping every role", reason)
-            print(f"torchdata_overlord.launch: {reason}; stopping every role", file=sys.stderr, flush=True)
-        self.stop_workers(0 if reason is None else 1)
-        stop_rpc(False, 5.0)
+        try:
+            start_roles(transport, self.cfg, self.n_workers, warm_timeout=self.a.join_timeout)
+            print(f"torchdata_overlord.launch: roles started on {self.n_workers} workers; trainers connect with "
+                  f"address='{self.address}'", flush=True)
+            reason = self.watch(transport.ns, clients)
+            if reason is None:
+                log.info("every trainer left: stopping the roles")
+            else:
+                print(f"torchdata_overlord.launch: {reason}; stopping every role", file=sys.stderr, flush=True)
+            self.stop_workers(0 if reason is None else 1)
+        finally:
+            transport.stop()
         return 0 if reason is None else 1
 
     def stop_workers(self, code: int) -> None:
@@ -189,14 +197,14 @@ class Launcher:
             except BaseException:            # noqa: BLE001 - already gone
                 pass
 
-    def watch(self, clients: int) -> str | None:
+    def watch(self, ns: str, clients: int) -> str | None:
         """None once every trainer client left; else why the job must stop (interrupted, a worker or a
         trainer gone without leaving)."""
         import torch.distributed.rpc as rpc
 
         everyone = set(range(clients))
         next_ping = time.monotonic() + self.a.ping_every
-        while W.wait_left(everyone, 0.1):
+        while L.wait_left(ns, everyone, 0.1):
             if self.stopping.is_set():
                 return "interrupted"
             dead = [p.name for p in self.procs if not p.is_alive()]
@@ -205,12 +213,12 @@ class Launcher:
             if time.monotonic() >= next_ping:
                 next_ping = time.monotonic() + self.a.ping_every
                 futs = {c: rpc.rpc_async(W.client_name(c), os.getpid, timeout=max(1.0, self.a.ping_every))
-                        for c in sorted(everyone - W.left_clients())}
+                        for c in sorted(everyone - L.left_clients(ns))}
                 for c, f in futs.items():
                     try:
                         f.wait()
                     except BaseException as e:       # noqa: BLE001
-                        if c not in W.left_clients():   # a trainer that left just now is not dead
+                        if c not in L.left_clients(ns):   # a trainer that left just now is not dead
                             return f"trainer client {c} is unreachable ({str(e).splitlines()[0][:120]})"
         return None
 
@@ -240,6 +248,7 @@ class Launcher:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    set_cpp_log_level(CPP_ERRORS_ONLY, at_least=True)    # TensorPipe would warn of every trainer that leaves
     args = parse_args(argv)
     try:
         launcher = Launcher(args)

@@ -21,7 +21,8 @@ Where the processes come from:
 Every call carries ``timeout`` seconds. Sources are rebuilt inside the workers from a
 :class:`SourceSpec` (a used ParquetSource holds open Arrow files and does not pickle); the strategy,
 transforms and mesh must pickle (a strategy defined at module level does, a closure or lambda does not).
-torch.distributed.rpc can be initialised once per process, so a process can be in one RpcJob.
+Several RpcJobs may run in one process: those opened while another runs share its RPC group and
+worker processes (see :mod:`~torchdata_overlord.runtime.rpc_session`).
 """
 
 from __future__ import annotations
@@ -326,17 +327,30 @@ class RpcJob:
                 self.client = 0
                 self.transport = RpcTransport(n_workers + spares, startup_timeout=startup_timeout, rpc_timeout=self.timeout,
                                               stop_timeout=stop_timeout)
-                start_roles(self.transport, cfg, n_workers, self._spare_names(), startup_timeout)
+                self._fit_workers()
+                start_roles(self.transport, cfg, self.n_workers, self._spare_names(), startup_timeout)
         except BaseException:
             self.close()
             raise
+
+    def _fit_workers(self) -> None:
+        """A job sharing this process's RPC group with another (see rpc_session) places its roles and
+        spares on that group's workers."""
+        have = self.transport.n_workers
+        if have >= self.n_workers + self.spares:
+            return
+        if have - self.spares < 1:
+            raise ConfigError(f"this process's RPC group, started by the rpc loader opened first, has {have} worker "
+                              f"process(es) (its membership is fixed): too few for spares={self.spares}; give the "
+                              f"first loader more spares=, or close it before opening this one")
+        self.n_workers = have - self.spares
 
     def _host_registry(self) -> None:
         """The leader, in a job with other clients, serves where the Planner is (it may replace it)."""
         if self.client == 0 and self.cfg.clients > 1 and hasattr(self.transport, "place"):
             from . import _rpc_worker as W
             self._registry = PlannerRegistry(self.planner_name, W.worker_name(self.transport.worker_of(PLANNER)))
-            W._actor(REGISTRY).set(self._registry)
+            W._actor(self.transport.key(REGISTRY)).set(self._registry)
 
     def _start_in_group(self, startup_timeout: float, stop_timeout: float) -> None:
         """Group rank 0 starts the workers and broadcasts the rendezvous; every rank joins as a client."""
@@ -362,6 +376,7 @@ class RpcJob:
                 if not sent:            # the others wait in the broadcast: tell them why nothing comes
                     dist.broadcast_object_list([{"error": f"{type(e).__name__}: {e}"}], src=src, group=pg)
                 raise
+            self._fit_workers()
             start_roles(self.transport, self.cfg, self.n_workers, self._spare_names(), startup_timeout)
             self._host_registry()
         else:
@@ -371,6 +386,7 @@ class RpcJob:
                 raise TransportStartupError(f"trainer rank 0 could not start the data plane's roles: {box[0]['error']}")
             self.transport = RpcTransport.join(box[0]["rendezvous"], self.client, startup_timeout=startup_timeout,
                                                stop_timeout=stop_timeout)
+            self._fit_workers()
             self.transport.place(self.cfg.placement(self.n_workers))
 
     def _spare_names(self) -> list[str]:
@@ -564,7 +580,7 @@ class RpcJob:
             raise RoleLost(f"client {self.client} lost the Planner ({err}) and cannot learn its replacement") from err
         from . import _rpc_worker as W
         got = W.call_actor(W.client_name(0), REGISTRY, "planner_after", (self.planner_name, self.recovery_timeout),
-                           {}, self.recovery_timeout + 5).result(self.recovery_timeout + 10)
+                           {}, self.recovery_timeout + 5, ns=self.transport.ns).result(self.recovery_timeout + 10)
         if got is None:
             raise RoleLost(f"client {self.client} lost the Planner ({err}) and the leader (client 0) started no new one "
                            f"within recovery_timeout={self.recovery_timeout:g} s") from err
@@ -665,9 +681,10 @@ class RpcJob:
                 "roles": roles, "processes": procs, "spares": spare_pids, "unanswered": unanswered}
 
     def close(self) -> None:
-        """Leave the job. A client of a launched job or of a trainer group tells its coordinator and
-        leaves; client 0 of a job it started first waits (up to the timeout) for the other clients to
-        leave, then closes the roles (bounded, errors ignored) and stops the workers."""
+        """Leave the job. A client of a launched job tells the launcher and leaves, another client of
+        a trainer group just leaves; client 0 of a job it started first waits (up to the timeout) for
+        the other clients to close it, then closes the roles (bounded, errors ignored) and stops the
+        workers (unless another job shares them)."""
         if self._closed:
             return
         self._closed = True
