@@ -16,7 +16,9 @@ the configuration before anything starts (port in use, sources that cannot be op
 that does not fit the mesh), starts the roles once every member joined, and then watches: the job
 ends normally once every trainer has left (each tells the launcher when its loader closes, on its own
 time), and a trainer or a worker that dies, or Ctrl-C / SIGTERM, ends it with exit code 1 (every
-node's workers exit, nothing hangs). Node ranks > 0 wait at most ``--connect-timeout`` seconds for node 0.
+node's workers exit, nothing hangs).
+Node ranks > 0 wait at most ``--connect-timeout`` seconds for node 0, and node 0 at most
+``--join-timeout`` for every member: past it, one line says who was awaited and the exit code is 1.
 
 Security: RPC peers exchange pickles, so anyone who can reach these ports can run code in every
 role. The default binds TensorPipe to loopback (``--interface lo``) and refuses a non-loopback
@@ -34,13 +36,14 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import uuid
 from pathlib import Path
 
 from .errors import ConfigError, OverlordError
 from .runtime import _rpc_worker as W
 from .runtime import rpc_leave as L
-from .runtime.rpc_agent import CPP_ERRORS_ONLY, set_cpp_log_level
+from .runtime.rpc_agent import CPP_ERRORS_ONLY, TransportStartupError, set_cpp_log_level
 from .runtime.rendezvous import LAYOUT_KEY, SCHEME, connect_store, host_store, is_loopback
 from .runtime.rpc_job import RoleConfig, start_roles
 
@@ -163,10 +166,24 @@ class Launcher:
 
     # -- node 0: the roles and the watch ---------------------------------------------------------
     def run_leader(self, layout: dict) -> int:
+        from .runtime.rpc_session import exited_during_start_up
         from .runtime.rpc_transport import RpcTransport
 
         rv, clients = layout["rendezvous"], self.cfg.clients
-        transport = RpcTransport.join(rv, clients, startup_timeout=self.a.join_timeout, stop_timeout=5.0)
+
+        def abort() -> str | None:
+            return "interrupted (Ctrl-C or SIGTERM)" if self.stopping.is_set() else exited_during_start_up(self.procs)
+
+        try:
+            transport = RpcTransport.join(rv, clients, startup_timeout=self.a.join_timeout, stop_timeout=5.0,
+                                          abort=abort)
+        except TransportStartupError as e:
+            if abort() is not None:
+                raise
+            raise TransportStartupError(
+                f"not every member joined within --join-timeout={self.a.join_timeout:g} s: the job waits for "
+                f"{self.n_workers} role worker(s) and {clients} trainer(s), which connect with "
+                f"OverlordLoader(..., runtime='rpc', address='{self.address}', rank=r)") from e
         try:
             start_roles(transport, self.cfg, self.n_workers, warm_timeout=self.a.join_timeout)
             print(f"torchdata_overlord.launch: roles started on {self.n_workers} workers; trainers connect with "
@@ -267,13 +284,23 @@ def main(argv=None) -> int:
         except (ConfigError, OverlordError) as e:
             print(f"torchdata_overlord.launch: configuration error: {e}", file=sys.stderr, flush=True)
             return 2
-        return launcher.run_leader(layout) if args.node_rank == 0 else launcher.run_follower()
+        try:
+            return launcher.run_leader(layout) if args.node_rank == 0 else launcher.run_follower()
+        except OverlordError as e:           # e.g. nobody joined in time: one line, not a traceback
+            print(f"torchdata_overlord.launch: {e}; stopping every role", file=sys.stderr, flush=True)
+            return 1
     finally:
         launcher.close()
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except BaseException:                    # noqa: BLE001 - unexpected: say it, then leave like the others
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)                           # rpc's atexit handlers must not wait for a graceful shutdown
+    # at once: an RPC start-up that gave up may still wait inside torch in a thread, and tearing the
+    # interpreter down under it aborts the process natively ("terminate called...", exit 134)
+    os._exit(code)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import socket
+import time
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -57,14 +58,31 @@ def check_port_free(host: str, port: int) -> None:
             raise ConfigError(f"cannot bind MASTER_ADDR:MASTER_PORT = {host}:{port}: {e}") from None
 
 
+def _unreachable(host: str, port: int, timeout: float, why: str) -> ConfigError:
+    return ConfigError(f"cannot reach the data plane's store at {host}:{port} within {timeout:g} s: is node 0 of "
+                       f"`python -m torchdata_overlord.launch` running with MASTER_ADDR={host} MASTER_PORT={port}? "
+                       f"({why})")
+
+
 def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
-    """A client of the store at ``host:port``, or a clear error once ``timeout`` seconds passed."""
+    """A client of the store at ``host:port``, or a clear error once ``timeout`` seconds passed.
+
+    The port is probed with plain connections until something listens (c10d's own retries overshoot
+    the timeout by half and print native stack frames); the store then gets the time left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, deadline - time.monotonic()))):
+                break
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise _unreachable(host, port, timeout, f"{type(e).__name__}: {e}") from None
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))   # retry until the launcher is up
     try:
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        return dist.TCPStore(host, port, is_master=False,
+                             timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
     except (RuntimeError, OSError) as e:
-        raise ConfigError(f"cannot reach the data plane's store at {host}:{port} within {timeout:g} s: is node 0 "
-                          f"of `python -m torchdata_overlord.launch` running with MASTER_ADDR={host} "
-                          f"MASTER_PORT={port}? ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        raise _unreachable(host, port, timeout, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
 
 
 def host_store(host: str, port: int, timeout: float) -> dist.TCPStore:
@@ -93,7 +111,9 @@ def join_launched(address: str, cfg, client: int, startup_timeout: float, stop_t
     from .rpc_transport import RpcTransport
 
     host, port = parse_address(address)
+    deadline = time.monotonic() + startup_timeout
     store = connect_store(host, port, startup_timeout)
+    store.set_timeout(timedelta(seconds=max(1.0, deadline - time.monotonic())))
     try:
         layout = json.loads(store.get(LAYOUT_KEY))
     except RuntimeError as e:
@@ -108,7 +128,7 @@ def join_launched(address: str, cfg, client: int, startup_timeout: float, stop_t
     if isinstance(client, bool) or not isinstance(client, int) or not 0 <= client < trainers:
         raise ConfigError(f"client (the trainer rank) must be in [0, {trainers}) for the job at {address}, "
                           f"got {client!r}")
-    transport = RpcTransport.join(layout["rendezvous"], client, startup_timeout=startup_timeout,
+    transport = RpcTransport.join(layout["rendezvous"], client, startup_timeout=max(1.0, deadline - time.monotonic()),
                                   stop_timeout=stop_timeout)
     transport.place(layout["placement"])
     return transport
