@@ -227,8 +227,10 @@ def test_a_launched_job_ends_cleanly_on_faults(corpus, tmp_path, fault):
                 p.kill()
     assert results[0][0] == 1, results[0][1][-2000:]                # the launcher says the job failed
     assert all("TIMEOUT" not in err for _, err in results)           # nobody hung
-    assert results[1][0] != 0 and ("ActorDied" in results[1][1] or "unreachable" in results[1][1]
-                                   or "JobClosed" in results[1][1]), results[1][1][-2000:]
+    # trainer 0 (still there) learns why the job stopped, not that some role became unreachable
+    why = "the launcher was interrupted" if fault == "ctrl-c launcher" else "trainer client 1 died"
+    assert results[1][0] != 0 and "JobStopped" in results[1][1] and why in results[1][1], results[1][1][-2000:]
+    assert "ActorDied" not in results[1][1], results[1][1][-2000:]
     assert not wait_gone(role_pids)
 
 

@@ -141,6 +141,25 @@ def test_two_rpc_loaders_at_once_and_one_after_another(corpus, tmp_path):
     assert "tensorpipe" not in proc.stderr.lower(), proc.stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_stats_after_close_describe_the_closed_job(corpus):
+    """``stats()`` after ``close()`` answers as the local runtime does (here, in the test process): the
+    roles' figures as the close began, this client's final ones, and ``closed``; the roles are gone."""
+    with make_loader(corpus, "eval", "local") as local:
+        next(iter(local))
+    local_after = local.stats()
+    loader = make_loader(corpus, "eval", "rpc", n_workers=1)
+    with loader:
+        for _ in zip(range(2), loader):
+            pass
+        during = loader.stats()
+    after = loader.stats()
+    assert set(local_after) <= set(after) and after["closed"] is True and after["step"] == 2
+    assert after["sources"]["web"]["served"] >= during["sources"]["web"]["served"] > 0
+    assert after["roles"] == during["roles"] and after["unanswered"] == {}
+    assert not [p for p in set(after["roles"].values()) if _alive(p)]
+
+
 def _group_trainer(rank: int, root: str, out_dir: str) -> None:
     """Trainer ``rank`` of a 2-process gloo group: a training and an evaluation loader over the same
     group at once (rank 0 starts the roles, shared), then a loader of its own group (other ranks)."""

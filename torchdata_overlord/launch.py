@@ -16,7 +16,7 @@ the configuration before anything starts (port in use, sources that cannot be op
 that does not fit the mesh), starts the roles once every member joined, and then watches: the job
 ends normally once every trainer has left (each tells the launcher when its loader closes, on its own
 time), and a trainer or a worker that dies, or Ctrl-C / SIGTERM, ends it with exit code 1 (every
-node's workers exit, nothing hangs).
+node's workers exit, nothing hangs; the trainers still there fail with ``JobStopped`` saying why).
 Node ranks > 0 wait at most ``--connect-timeout`` seconds for node 0, and node 0 at most
 ``--join-timeout`` for every member: past it, one line says who was awaited and the exit code is 1.
 
@@ -193,10 +193,24 @@ class Launcher:
                 log.info("every trainer left: stopping the roles")
             else:
                 print(f"torchdata_overlord.launch: {reason}; stopping every role", file=sys.stderr, flush=True)
+                self.tell_trainers(transport.ns, clients, f"the launched job at {self.address} stopped: {reason}")
             self.stop_workers(0 if reason is None else 1)
         finally:
             transport.stop()
         return 0 if reason is None else 1
+
+    def tell_trainers(self, ns: str, clients: int, why: str) -> None:
+        """Every trainer still in the job learns why it ends (its next() raises JobStopped), before
+        the roles stop under it."""
+        import torch.distributed.rpc as rpc
+
+        futs = [rpc.rpc_async(W.client_name(c), L._job_stopped, args=(ns, why), timeout=2)
+                for c in sorted(set(range(clients)) - L.left_clients(ns))]
+        for f in futs:
+            try:
+                f.wait()
+            except BaseException:            # noqa: BLE001 - that trainer is the one gone
+                pass
 
     def stop_workers(self, code: int) -> None:
         """Every worker, on every node, exits with ``code`` (their launchers then exit too)."""
@@ -223,10 +237,10 @@ class Launcher:
         next_ping = time.monotonic() + self.a.ping_every
         while L.wait_left(ns, everyone, 0.1):
             if self.stopping.is_set():
-                return "interrupted"
+                return "the launcher was interrupted (Ctrl-C or SIGTERM)"
             dead = [p.name for p in self.procs if not p.is_alive()]
             if dead:
-                return f"worker process(es) {dead} died"
+                return f"role worker process(es) {dead} died"
             if time.monotonic() >= next_ping:
                 next_ping = time.monotonic() + self.a.ping_every
                 futs = {c: rpc.rpc_async(W.client_name(c), os.getpid, timeout=max(1.0, self.a.ping_every))
@@ -236,7 +250,7 @@ class Launcher:
                         f.wait()
                     except BaseException as e:       # noqa: BLE001
                         if c not in L.left_clients(ns):   # a trainer that left just now is not dead
-                            return f"trainer client {c} is unreachable ({str(e).splitlines()[0][:120]})"
+                            return f"trainer client {c} died without leaving (unreachable: {str(e).splitlines()[0][:120]})"
         return None
 
     # -- other nodes: wait for the workers ---------------------------------------------------------

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from ..errors import ConfigError
+from ..errors import ConfigError, OverlordError
 from ..plane.place_tree import ClientPlaceTree
 from ..sources.parquet import ParquetSource
 from .actors import (PLANNER, ConstructorActor, JobReset, LoaderActor, constructor_actor, loader_actor,
@@ -79,6 +79,10 @@ class PlannerRegistry:
 
         threading.Thread(target=wait, name="overlord-registry-wait", daemon=True).start()
         return out
+
+
+class JobStopped(OverlordError, RuntimeError):
+    """The job's coordinator (the launcher) stopped every role, and says why (e.g. another trainer died)."""
 
 
 class _Request:
@@ -311,6 +315,9 @@ class RpcJob:
         self.fetches = 0                   # constructor fetch calls this client made
         self._registry = None              # the leader tells the other clients where a new Planner is
         self._planners = 0                 # replacement Planners started
+        self._stopped: str | None = None   # why the launcher stopped the job, once it did
+        self._final_stats: dict | None = None
+        self._running = False              # every role started
         try:
             if transport is not None:
                 self.client = 0
@@ -329,6 +336,9 @@ class RpcJob:
                                               stop_timeout=stop_timeout)
                 self._fit_workers()
                 start_roles(self.transport, cfg, self.n_workers, self._spare_names(), startup_timeout)
+            if hasattr(self.transport, "on_stopped"):
+                self.transport.on_stopped(self._on_stopped)
+            self._running = True
         except BaseException:
             self.close()
             raise
@@ -344,6 +354,35 @@ class RpcJob:
                               f"process(es) (its membership is fixed): too few for spares={self.spares}; give the "
                               f"first loader more spares=, or close it before opening this one")
         self.n_workers = have - self.spares
+
+    def _on_stopped(self, reason: str) -> None:
+        """The launcher stopped the job (another trainer died, Ctrl-C...): every step asked for fails
+        with JobStopped saying why, now and later."""
+        self._stopped = reason
+        for req in list(self._requests.copy().values()):
+            settle(req.out, exc=JobStopped(reason))
+
+    def _snapshot(self) -> dict | None:
+        """:meth:`stats` as :meth:`close` begins, for ``stats()`` after it: only when the job had no
+        failure and its Planner answers within a few seconds (a close never waits on a lost role)."""
+        t = min(self.timeout, 5.0)
+        try:
+            if not self._running or self._stopped is not None or self.faults["failures"]:
+                return None
+            self._call(self.planner_name, "roles", timeout=t).result(t + 1)
+            return self.stats()
+        except Exception:                    # noqa: BLE001 - diagnostics only: close anyway
+            return None
+
+    def _closed_stats(self) -> dict:
+        out = copy.deepcopy(self._final_stats) if self._final_stats is not None else {
+            "sources": {}, "planner": {}, "constructors": {}, "roles": {}, "spares": [], "unanswered": {},
+            "processes": {os.getpid(): process_memory()}}
+        out.update(closed=True, client={"client": self.client, "fetches": self.fetches,
+                                        "faults": copy.deepcopy(self.faults)})
+        if self._stopped is not None:
+            out["stopped"] = self._stopped
+        return out
 
     def _host_registry(self) -> None:
         """The leader, in a job with other clients, serves where the Planner is (it may replace it)."""
@@ -450,6 +489,8 @@ class RpcJob:
         (default: all before this one), so the roles can free what every client has used. A request
         that fails because a role failed is asked again once the role is replaced (the future's
         ``delayed`` attribute is True when a failure held the step up)."""
+        if self._stopped is not None:
+            raise JobStopped(self._stopped)
         if self._gen is None:
             self._attach(None, self._next)
         self._check_feedback()
@@ -656,7 +697,10 @@ class RpcJob:
         """Per-source loader stats, Planner and constructor queue depths, recoveries, each role's process
         and memory, and this client's failures and reissued requests. A role that does not answer within
         the call timeout (busy with a long fill, or failed) is listed in ``"unanswered"`` and its entry is
-        ``{"error": ...}``: diagnostics never stop the training loop."""
+        ``{"error": ...}``: diagnostics never stop the training loop. After :meth:`close`: the roles'
+        stats as the close began (they are gone), this client's final ones, and ``"closed": True``."""
+        if self._closed:
+            return self._closed_stats()
         actors, info = self._serving()
         futs = {(kind, a): self._call(a, kind) for kind in ("stats", "process") for a in actors}
         cf.wait(list(futs.values()), timeout=self.timeout + 5)
@@ -681,16 +725,17 @@ class RpcJob:
                 "roles": roles, "processes": procs, "spares": spare_pids, "unanswered": unanswered}
 
     def close(self) -> None:
-        """Leave the job. A client of a launched job tells the launcher and leaves, another client of
-        a trainer group just leaves; client 0 of a job it started first waits (up to the timeout) for
-        the other clients to close it, then closes the roles (bounded, errors ignored) and stops the
-        workers (unless another job shares them)."""
+        """Leave the job, first keeping what :meth:`stats` says (bounded). A client of a launched job
+        tells the launcher and leaves, another client of a trainer group just leaves; client 0 of a
+        job it started first waits (up to the timeout) for the other clients to close it, then closes
+        the roles (bounded, errors ignored) and stops the workers (unless another job shares them)."""
         if self._closed:
             return
+        self._final_stats = self._snapshot()
         self._closed = True
         self._recovery.shutdown(wait=False, cancel_futures=True)
         try:
-            if self.transport is not None and hasattr(self.transport, "leave"):
+            if self.transport is not None and hasattr(self.transport, "leave") and self._stopped is None:
                 self.transport.leave(self.timeout)
             if self.transport is not None and self.client == 0 and not self._launched:
                 missing = self.transport.wait_for_clients(self.timeout) if hasattr(self.transport, "leave") else []
