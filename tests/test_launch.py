@@ -92,8 +92,8 @@ def launcher(config, port, *extra, node_rank=0, nodes=1):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def trainer(tmp_path, corpus, port, rank, steps, pause=0.0, mesh=None):
-    script = TRAINER.format(root=str(corpus.root), mesh=mesh or {"dp": 2}, address=f"127.0.0.1:{port}", pause=pause)
+def trainer(tmp_path, corpus, port, rank, steps, pause=0.0, mesh=None, host="127.0.0.1"):
+    script = TRAINER.format(root=str(corpus.root), mesh=mesh or {"dp": 2}, address=f"{host}:{port}", pause=pause)
     out = tmp_path / f"trainer-{rank}.pt"
     proc = subprocess.Popen([sys.executable, "-c", script, str(rank), str(steps), str(out)], env=env_for(port),
                             cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,5 +1,5 @@
 """A launched job's life as its processes see it: a launcher nobody joins, a trainer whose launcher is
-absent (each ends as promised, with real processes)."""
+absent, and the sockets of a running job (each ends or listens as promised, with real processes)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
+from torchdata_overlord.runtime.procstats import listening_addresses
 from torchdata_overlord.sim.corpus import build_demo_corpus
 
-from test_launch import ROOT, env_for, finish, free_port, launcher, wait_gone, write_config
+from test_launch import ROOT, env_for, finish, free_port, launcher, trainer, wait_gone, write_config
 
 NATIVE = ("terminate called", "frame #", "Traceback", "Exception raised from")
 
@@ -63,3 +64,30 @@ def test_a_trainer_without_its_launcher_honours_its_connect_timeout():
     assert timeout <= took < timeout + 1.5, took
     assert f"cannot reach the data plane's store at {address} within 4 s" in proc.stderr, proc.stderr[-3000:]
     assert not [m for m in NATIVE if m in proc.stderr], proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_launched_job_listens_on_its_address_only(corpus, tmp_path):
+    """MASTER_ADDR=127.0.0.2, --interface lo: the launcher's store listens on 127.0.0.2:port only (not
+    on every interface), and every socket of every process (launcher, roles, trainer) is on loopback."""
+    port = free_port()
+    env = dict(env_for(port), MASTER_ADDR="127.0.0.2")
+    config = write_config(tmp_path, corpus, mesh={"dp": 1})
+    node = subprocess.Popen([sys.executable, "-m", "torchdata_overlord.launch", "--config", str(config),
+                             "--ping-every", "0.5"], env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    client, _ = trainer(tmp_path, corpus, port, 0, 10_000, pause=0.05, mesh={"dp": 1}, host="127.0.0.2")
+    try:
+        line = client.stdout.readline()                   # the job runs: the trainer consumed a step
+        assert line.startswith("roles"), finish([client, node], 10)
+        roles = [int(p) for p in line.split(" ", 1)[1].strip("[]\n").split(",")]
+        listening = {pid: listening_addresses(pid) for pid in [node.pid, client.pid] + roles}
+    finally:
+        for p in (client, node):
+            p.kill()
+        finish([client, node], 30)
+    assert listening[node.pid] and f"127.0.0.2:{port}" in listening[node.pid], listening
+    everywhere = [a for addrs in listening.values() for a in addrs if not re.match(r"127\.0\.0\.[12]:\d+$", a)]
+    assert everywhere == [], listening
+    assert all(listening[pid] for pid in roles), listening              # every role listens (on loopback)
+    assert not wait_gone(roles)

@@ -22,7 +22,8 @@ Node ranks > 0 wait at most ``--connect-timeout`` seconds for node 0, and node 0
 
 Security: RPC peers exchange pickles, so anyone who can reach these ports can run code in every
 role. The default binds TensorPipe to loopback (``--interface lo``) and refuses a non-loopback
-``MASTER_ADDR``; a multi-node job names its private network's interface (``--interface eth1``).
+``MASTER_ADDR``; a multi-node job names its private network's interface (``--interface eth1``),
+where every node's workers listen, and node 0's store listens on ``MASTER_ADDR`` only.
 """
 
 from __future__ import annotations
@@ -157,9 +158,10 @@ class Launcher:
         from .runtime.rpc_transport import spawn_workers
         rv = layout["rendezvous"]
         first = a.node_rank * self.per_node
-        os.environ.update(rv["env"])
+        own = {"TP_SOCKET_IFNAME": a.interface, "GLOO_SOCKET_IFNAME": a.interface}   # this node's network
+        os.environ.update(own)
         self.procs, self.conns = spawn_workers([(W.worker_name(i), i) for i in range(first, first + self.per_node)],
-                                               rv, a.rpc_timeout)
+                                               dict(rv, env=own), a.rpc_timeout)
         log.info("node %d: started workers %s (pids %s)", a.node_rank, list(range(first, first + self.per_node)),
                  [p.pid for p in self.procs])
         return layout
