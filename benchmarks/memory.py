@@ -385,8 +385,8 @@ def _cmdline(pid: int) -> str:
 # ------------------------------------------------------------------------------ the sweep (parent process)
 
 def child(kind: str, cfg: dict, timeout: float) -> dict:
-    """Run ``run_<kind>(cfg)`` in a fresh process (RPC starts once per process, and each run starts from
-    the same footprint); its result, after checking that every process it recorded is gone."""
+    """Run ``run_<kind>(cfg)`` in a fresh process (each run starts from the same
+    footprint); its result, after checking that every process it recorded is gone."""
     from torchdata_overlord.runtime.procstats import process_running as alive
 
     with tempfile.TemporaryDirectory(prefix="overlord-mem-") as tmp:

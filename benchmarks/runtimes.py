@@ -4,7 +4,7 @@ the per-sample transport cost of the RPC runtime.
 
 Every run reads the demo corpus's four Parquet sources with ``ParquetSource`` and applies the same
 transforms (``Tokenize`` / ``ImageText``) with the same constant mixture as ``e2e_throughput.py``;
-each run is its own subprocess (``--one KIND``: torch.distributed.rpc starts once per process), which
+each run is its own subprocess (``--one KIND``: each starts from the same footprint), which
 prints its result as JSON on stdout. Same number of processes, three in all:
 
 * ``dataloader``: the main process + 2 ``DataLoader`` worker processes (``e2e_throughput.run_baseline``,

@@ -92,8 +92,8 @@ def launcher(config, port, *extra, node_rank=0, nodes=1):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def trainer(tmp_path, corpus, port, rank, steps, pause=0.0, mesh=None):
-    script = TRAINER.format(root=str(corpus.root), mesh=mesh or {"dp": 2}, address=f"127.0.0.1:{port}", pause=pause)
+def trainer(tmp_path, corpus, port, rank, steps, pause=0.0, mesh=None, host="127.0.0.1"):
+    script = TRAINER.format(root=str(corpus.root), mesh=mesh or {"dp": 2}, address=f"{host}:{port}", pause=pause)
     out = tmp_path / f"trainer-{rank}.pt"
     proc = subprocess.Popen([sys.executable, "-c", script, str(rank), str(steps), str(out)], env=env_for(port),
                             cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -174,7 +174,8 @@ def test_client_reports_an_unreachable_launcher(corpus):
 @pytest.mark.slow
 def test_two_data_nodes_and_two_trainers_equal_the_local_runtime(corpus, tmp_path):
     """Trainer 1 finishes ~12 s after trainer 0 (longer than a client's stop timeout): each leaves on its
-    own time, and the launchers end the job once both left, exit code 0 everywhere."""
+    own time, and the launchers end the job once both left, exit code 0 everywhere, and quietly: no
+    process prints a warning for its peers' pipes closing (TensorPipe's EOF lines)."""
     port, steps = free_port(), 3
     config = write_config(tmp_path, corpus)
     nodes = [launcher(config, port, "--interface", "lo", "--workers-per-node", "2", nodes=2, node_rank=r)
@@ -182,6 +183,8 @@ def test_two_data_nodes_and_two_trainers_equal_the_local_runtime(corpus, tmp_pat
     trainers = [trainer(tmp_path, corpus, port, r, steps, pause=6.0 * r) for r in (0, 1)]
     results = finish([p for p, _ in trainers] + nodes, 180)
     assert all(rc == 0 for rc, _ in results), [err[-3000:] for _, err in results]
+    noise = [line for _, err in results for line in err.splitlines() if "tensorpipe" in line.lower()]
+    assert noise == [], noise
 
     sys.path.insert(0, str(tmp_path))
     import ljob
@@ -224,8 +227,10 @@ def test_a_launched_job_ends_cleanly_on_faults(corpus, tmp_path, fault):
                 p.kill()
     assert results[0][0] == 1, results[0][1][-2000:]                # the launcher says the job failed
     assert all("TIMEOUT" not in err for _, err in results)           # nobody hung
-    assert results[1][0] != 0 and ("ActorDied" in results[1][1] or "unreachable" in results[1][1]
-                                   or "JobClosed" in results[1][1]), results[1][1][-2000:]
+    # trainer 0 (still there) learns why the job stopped, not that some role became unreachable
+    why = "the launcher was interrupted" if fault == "ctrl-c launcher" else "trainer client 1 died"
+    assert results[1][0] != 0 and "JobStopped" in results[1][1] and why in results[1][1], results[1][1][-2000:]
+    assert "ActorDied" not in results[1][1], results[1][1][-2000:]
     assert not wait_gone(role_pids)
 
 

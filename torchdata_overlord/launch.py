@@ -16,11 +16,14 @@ the configuration before anything starts (port in use, sources that cannot be op
 that does not fit the mesh), starts the roles once every member joined, and then watches: the job
 ends normally once every trainer has left (each tells the launcher when its loader closes, on its own
 time), and a trainer or a worker that dies, or Ctrl-C / SIGTERM, ends it with exit code 1 (every
-node's workers exit, nothing hangs). Node ranks > 0 wait at most ``--connect-timeout`` seconds for node 0.
+node's workers exit, nothing hangs; the trainers still there fail with ``JobStopped`` saying why).
+Node ranks > 0 wait at most ``--connect-timeout`` seconds for node 0, and node 0 at most
+``--join-timeout`` for every member: past it, one line says who was awaited and the exit code is 1.
 
 Security: RPC peers exchange pickles, so anyone who can reach these ports can run code in every
 role. The default binds TensorPipe to loopback (``--interface lo``) and refuses a non-loopback
-``MASTER_ADDR``; a multi-node job names its private network's interface (``--interface eth1``).
+``MASTER_ADDR``; a multi-node job names its private network's interface (``--interface eth1``),
+where every node's workers listen, and node 0's store listens on ``MASTER_ADDR`` only.
 """
 
 from __future__ import annotations
@@ -34,10 +37,14 @@ import signal
 import sys
 import threading
 import time
+import traceback
+import uuid
 from pathlib import Path
 
 from .errors import ConfigError, OverlordError
 from .runtime import _rpc_worker as W
+from .runtime import rpc_leave as L
+from .runtime.rpc_agent import CPP_ERRORS_ONLY, TransportStartupError, set_cpp_log_level
 from .runtime.rendezvous import LAYOUT_KEY, SCHEME, connect_store, host_store, is_loopback
 from .runtime.rpc_job import RoleConfig, start_roles
 
@@ -119,10 +126,15 @@ class Launcher:
         self.store = None
         self.stopping = threading.Event()
 
+    @property
+    def address(self) -> str:
+        return f"{self.a.master_addr}:{self.a.master_port}"
+
     def layout(self) -> dict:
         a, n, c = self.a, self.n_workers, self.cfg.clients
         env = {"TP_SOCKET_IFNAME": a.interface, "GLOO_SOCKET_IFNAME": a.interface}
-        rendezvous = {"init_method": f"{SCHEME}://{a.master_addr}:{a.master_port}", "world_size": n + c + 1,
+        rendezvous = {"session": uuid.uuid4().hex, "ns": "", "address": self.address,
+                      "init_method": f"{SCHEME}://{self.address}", "world_size": n + c + 1,
                       "n_workers": n, "client_ranks": [n + i for i in range(c + 1)],
                       "rpc_timeout": a.rpc_timeout, "env": env if a.interface == "lo" else {}}
         return {"rendezvous": rendezvous, "placement": self.cfg.placement(n), "fingerprint": self.cfg.fingerprint(),
@@ -146,32 +158,61 @@ class Launcher:
         from .runtime.rpc_transport import spawn_workers
         rv = layout["rendezvous"]
         first = a.node_rank * self.per_node
-        os.environ.update(rv["env"])
+        own = {"TP_SOCKET_IFNAME": a.interface, "GLOO_SOCKET_IFNAME": a.interface}   # this node's network
+        os.environ.update(own)
         self.procs, self.conns = spawn_workers([(W.worker_name(i), i) for i in range(first, first + self.per_node)],
-                                               rv, a.rpc_timeout)
+                                               dict(rv, env=own), a.rpc_timeout)
         log.info("node %d: started workers %s (pids %s)", a.node_rank, list(range(first, first + self.per_node)),
                  [p.pid for p in self.procs])
         return layout
 
     # -- node 0: the roles and the watch ---------------------------------------------------------
     def run_leader(self, layout: dict) -> int:
-        from .runtime.rpc_transport import RpcTransport, stop_rpc
+        from .runtime.rpc_session import exited_during_start_up
+        from .runtime.rpc_transport import RpcTransport
 
         rv, clients = layout["rendezvous"], self.cfg.clients
-        transport = RpcTransport.join(rv, clients, startup_timeout=self.a.join_timeout, stop_timeout=5.0)
-        start_roles(transport, self.cfg, self.n_workers, warm_timeout=self.a.join_timeout)
-        print(f"torchdata_overlord.launch: roles started on {self.n_workers} workers; trainers connect with "
-              f"address='{self.a.master_addr}:{self.a.master_port}'", flush=True)
-        transport._rpc_up = False            # this method owns the shutdown (no group barrier)
-        reason = self.watch(clients)
-        if reason is None:
-            log.info("every trainer left: stopping the roles")
-        else:
-            log.error("torchdata_overlord.launch: %s: stopping every role", reason)
-            print(f"torchdata_overlord.launch: {reason}; stopping every role", file=sys.stderr, flush=True)
-        self.stop_workers(0 if reason is None else 1)
-        stop_rpc(False, 5.0)
+
+        def abort() -> str | None:
+            return "interrupted (Ctrl-C or SIGTERM)" if self.stopping.is_set() else exited_during_start_up(self.procs)
+
+        try:
+            transport = RpcTransport.join(rv, clients, startup_timeout=self.a.join_timeout, stop_timeout=5.0,
+                                          abort=abort)
+        except TransportStartupError as e:
+            if abort() is not None:
+                raise
+            raise TransportStartupError(
+                f"not every member joined within --join-timeout={self.a.join_timeout:g} s: the job waits for "
+                f"{self.n_workers} role worker(s) and {clients} trainer(s), which connect with "
+                f"OverlordLoader(..., runtime='rpc', address='{self.address}', rank=r)") from e
+        try:
+            start_roles(transport, self.cfg, self.n_workers, warm_timeout=self.a.join_timeout)
+            print(f"torchdata_overlord.launch: roles started on {self.n_workers} workers; trainers connect with "
+                  f"address='{self.address}'", flush=True)
+            reason = self.watch(transport.ns, clients)
+            if reason is None:
+                log.info("every trainer left: stopping the roles")
+            else:
+                print(f"torchdata_overlord.launch: {reason}; stopping every role", file=sys.stderr, flush=True)
+                self.tell_trainers(transport.ns, clients, f"the launched job at {self.address} stopped: {reason}")
+            self.stop_workers(0 if reason is None else 1)
+        finally:
+            transport.stop()
         return 0 if reason is None else 1
+
+    def tell_trainers(self, ns: str, clients: int, why: str) -> None:
+        """Every trainer still in the job learns why it ends (its next() raises JobStopped), before
+        the roles stop under it."""
+        import torch.distributed.rpc as rpc
+
+        futs = [rpc.rpc_async(W.client_name(c), L._job_stopped, args=(ns, why), timeout=2)
+                for c in sorted(set(range(clients)) - L.left_clients(ns))]
+        for f in futs:
+            try:
+                f.wait()
+            except BaseException:            # noqa: BLE001 - that trainer is the one gone
+                pass
 
     def stop_workers(self, code: int) -> None:
         """Every worker, on every node, exits with ``code`` (their launchers then exit too)."""
@@ -189,29 +230,29 @@ class Launcher:
             except BaseException:            # noqa: BLE001 - already gone
                 pass
 
-    def watch(self, clients: int) -> str | None:
+    def watch(self, ns: str, clients: int) -> str | None:
         """None once every trainer client left; else why the job must stop (interrupted, a worker or a
         trainer gone without leaving)."""
         import torch.distributed.rpc as rpc
 
         everyone = set(range(clients))
         next_ping = time.monotonic() + self.a.ping_every
-        while W.wait_left(everyone, 0.1):
+        while L.wait_left(ns, everyone, 0.1):
             if self.stopping.is_set():
-                return "interrupted"
+                return "the launcher was interrupted (Ctrl-C or SIGTERM)"
             dead = [p.name for p in self.procs if not p.is_alive()]
             if dead:
-                return f"worker process(es) {dead} died"
+                return f"role worker process(es) {dead} died"
             if time.monotonic() >= next_ping:
                 next_ping = time.monotonic() + self.a.ping_every
                 futs = {c: rpc.rpc_async(W.client_name(c), os.getpid, timeout=max(1.0, self.a.ping_every))
-                        for c in sorted(everyone - W.left_clients())}
+                        for c in sorted(everyone - L.left_clients(ns))}
                 for c, f in futs.items():
                     try:
                         f.wait()
                     except BaseException as e:       # noqa: BLE001
-                        if c not in W.left_clients():   # a trainer that left just now is not dead
-                            return f"trainer client {c} is unreachable ({str(e).splitlines()[0][:120]})"
+                        if c not in L.left_clients(ns):   # a trainer that left just now is not dead
+                            return f"trainer client {c} died without leaving (unreachable: {str(e).splitlines()[0][:120]})"
         return None
 
     # -- other nodes: wait for the workers ---------------------------------------------------------
@@ -240,6 +281,7 @@ class Launcher:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    set_cpp_log_level(CPP_ERRORS_ONLY, at_least=True)    # TensorPipe would warn of every trainer that leaves
     args = parse_args(argv)
     try:
         launcher = Launcher(args)
@@ -258,13 +300,23 @@ def main(argv=None) -> int:
         except (ConfigError, OverlordError) as e:
             print(f"torchdata_overlord.launch: configuration error: {e}", file=sys.stderr, flush=True)
             return 2
-        return launcher.run_leader(layout) if args.node_rank == 0 else launcher.run_follower()
+        try:
+            return launcher.run_leader(layout) if args.node_rank == 0 else launcher.run_follower()
+        except OverlordError as e:           # e.g. nobody joined in time: one line, not a traceback
+            print(f"torchdata_overlord.launch: {e}; stopping every role", file=sys.stderr, flush=True)
+            return 1
     finally:
         launcher.close()
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except BaseException:                    # noqa: BLE001 - unexpected: say it, then leave like the others
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)                           # rpc's atexit handlers must not wait for a graceful shutdown
+    # at once: an RPC start-up that gave up may still wait inside torch in a thread, and tearing the
+    # interpreter down under it aborts the process natively ("terminate called...", exit 134)
+    os._exit(code)

@@ -90,8 +90,9 @@ class OverlordLoader:
     process group, or ``"default"``) every trainer process of the group is a client and group rank 0
     starts the roles; with ``address="host:port"`` the roles were started by
     ``python -m torchdata_overlord.launch`` and this process joins them as client ``rank``. The
-    strategy must then be picklable (e.g. a module-level function; RPC can be started once per
-    process). Every runtime yields the same batches. ``timeout`` bounds every wait for the next step;
+    strategy must then be picklable (e.g. a module-level function). Several rpc loaders may be open
+    in one process: one opened while another runs shares its RPC group and worker processes.
+    Every runtime yields the same batches. ``timeout`` bounds every wait for the next step;
     ``startup_timeout`` bounds the rpc runtime's start-up (processes joining, every Source Loader's first
     buffer): raise it for hundreds of sources.
     Each item: ``{"step": int, "delivery": "data" | "metadata" | "none", "microbatches": list | None}``

@@ -8,6 +8,10 @@ future, so a slow actor never holds an RPC thread. A method may return a
 :class:`concurrent.futures.Future` (a *deferred* result, e.g. "the step once it is built"): the
 actor thread moves on and the caller is answered when that future completes. A call that arrives
 before its actor exists waits for it (roles are created by one process while others already call).
+
+Several jobs may share one RPC group (see :mod:`.rpc_session`): an actor is registered under its
+job's prefix (``"<ns><name>"``, ``ns`` like ``"2/"``; ``""`` in a launched job), and a closed job's
+actors are dropped from every process (:func:`_drop`), after which calls to them fail at once.
 """
 
 from __future__ import annotations
@@ -19,45 +23,31 @@ import os
 import pickle
 import threading
 import traceback
-import warnings
 
 import torch
 import torch.distributed.rpc as rpc
 
-from .transport import ActorDied, ActorError, CallTimeout, name_exception, settle
+from .rpc_agent import CPP_ERRORS_ONLY, LOOPBACK_ENV, init_rpc, set_cpp_log_level
+from .transport import ActorDied, ActorError, CallTimeout, TransportClosed, name_exception, settle
 
-#: the one Gloo deprecation warning every ``init_rpc`` prints (torch 2.14.1)
-GLOO_WARNING = r"You are using a Backend .* as a ProcessGroup"
-#: interface environment for TensorPipe and Gloo: loopback only
-LOOPBACK_ENV = {"TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
 _DEAD_PEER = ("eof", "econnrefused", "connection reset", "connection refused", "broken pipe", "shutdown")
 _TIMEOUT = ("timeout", "timed out", "ran for more than")
 
 
 def worker_name(i: int) -> str:
-    return f"overlord-worker-{i}"
+    """Sorts before every client's name on purpose: torch's start-up all-gather is led by the smallest
+    name, and every member opens a pipe to the leader. A role worker outlives the clients, so no
+    trainer ever has a peer's pipe close under its running agent (TensorPipe warns of each one)."""
+    return f"overlord-actors-{i}"
 
 
 def worker_index(name: str) -> int:
-    """The index ``i`` of ``overlord-worker-<i>``."""
+    """The index ``i`` of ``overlord-actors-<i>``."""
     return int(str(name).rsplit("-", 1)[1])
 
 
 def client_name(c: int) -> str:
     return f"overlord-client-{c}"
-
-
-def backend_options(init_method: str, rpc_timeout: float) -> rpc.TensorPipeRpcBackendOptions:
-    # uv (TCP) transport and the basic channel only: no shared-memory or multiplexed-uv listeners
-    return rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=rpc_timeout,
-                                           num_worker_threads=16, _transports=["uv"], _channels=["basic"])
-
-
-def init_rpc(name: str, rank: int, world_size: int, init_method: str, rpc_timeout: float) -> None:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=GLOO_WARNING, category=UserWarning)
-        rpc.init_rpc(name, rank=rank, world_size=world_size,
-                     rpc_backend_options=backend_options(init_method, rpc_timeout))
 
 
 class Failure:
@@ -125,12 +115,23 @@ class _Actor:
             self.cv.notify_all()
         return fut
 
+    def stop(self) -> None:
+        """End the actor's thread once the calls already queued ran (its job was closed)."""
+        with self.cv:
+            self.ready.append(None)
+            if self.obj is self._UNSET and self.failure is None:
+                self.failure = Failure(TransportClosed(f"actor {self.name!r} was dropped before it was created"))
+            self.cv.notify_all()
+
     def _run(self) -> None:
         while True:
             with self.cv:
                 while not self.ready or (self.obj is self._UNSET and self.failure is None):
                     self.cv.wait()
-                fut, method, args, kwargs = self.ready.popleft()
+                item = self.ready.popleft()
+            if item is None:
+                return
+            fut, method, args, kwargs = item
             if self.failure is not None:
                 fut.set_result(self.failure)
                 continue
@@ -146,18 +147,62 @@ class _Actor:
 
 _ACTORS: dict[str, _Actor] = {}
 _ACTORS_LOCK = threading.Lock()
+_DROPPED: set[str] = set()                  # namespaces of closed jobs (see _drop)
 
 
-def _actor(name: str) -> _Actor:
+def namespace(key: str) -> str:
+    """The job prefix of actor key ``key`` (``"2/planner"`` -> ``"2/"``; ``""`` without one)."""
+    return key[:key.index("/") + 1] if "/" in key else ""
+
+
+def _actor(name: str) -> _Actor | None:
+    """The actor registered as ``name`` (created empty: calls may arrive first); None once its job closed."""
     with _ACTORS_LOCK:
         actor = _ACTORS.get(name)
         if actor is None:
+            if namespace(name) in _DROPPED:
+                return None
             actor = _ACTORS[name] = _Actor(name)
         return actor
 
 
+def _closed_job(name: str) -> Failure:
+    return Failure(TransportClosed(f"actor {name!r} belongs to a job that was closed"))
+
+
+def _drop(ns: str) -> int:
+    """Run in every process of a shared group when job ``ns`` closes: stop and forget its actors."""
+    if not ns:
+        raise ValueError("only a job's own namespace can be dropped")
+    with _ACTORS_LOCK:
+        _DROPPED.add(ns)
+        mine = [k for k in _ACTORS if k.startswith(ns)]
+        actors = [_ACTORS.pop(k) for k in mine]
+    with _SEQ_LOCK:
+        for k in [k for k in _SEQ if k.startswith(ns)]:
+            del _SEQ[k]
+    for a in actors:
+        a.stop()
+    return len(actors)
+
+
+def forget_actors() -> None:
+    """This process left its RPC group: forget every actor and call counter (the next group numbers
+    its jobs and calls from 0 again)."""
+    with _ACTORS_LOCK:
+        actors = list(_ACTORS.values())
+        _ACTORS.clear()
+        _DROPPED.clear()
+    with _SEQ_LOCK:
+        _SEQ.clear()
+    for a in actors:
+        a.stop()
+
+
 def _create(name: str, factory, args, kwargs):
     actor = _actor(name)
+    if actor is None:
+        return _closed_job(name)
     if actor.obj is not _Actor._UNSET:
         return Failure(KeyError(f"an actor named {name!r} already exists on {rpc.get_worker_info().name}"))
     try:
@@ -172,64 +217,17 @@ def _create(name: str, factory, args, kwargs):
 
 @rpc.functions.async_execution
 def _invoke(name: str, caller: str, seq: int, method: str, args, kwargs) -> torch.futures.Future:
-    return _actor(name).submit(caller, seq, method, args, kwargs)
+    actor = _actor(name)
+    if actor is None:
+        fut = torch.futures.Future()
+        fut.set_result(_closed_job(name))
+        return fut
+    return actor.submit(caller, seq, method, args, kwargs)
 
 
 def _exit_now(code: int = 0) -> None:
     """End this process at once, skipping RPC's shutdown barrier (the job is over, or torn down)."""
     threading.Timer(0.05, os._exit, args=(code,)).start()
-
-
-# ------------------------------------------------------------------------------ leaving the group
-# A trainer client leaves on its own time: it tells the group's coordinator (the launcher, or the
-# client that started the workers) and shuts its RPC agent down locally. No group-wide shutdown
-# barrier: trainers finish seconds apart, and a barrier that times out in one of them leaves RPC
-# threads running Python while that interpreter finalizes (they abort the process).
-
-_LEFT: set[int] = set()
-_LEFT_CV = threading.Condition()
-
-
-def _client_left(client: int) -> None:
-    """Run in the coordinator: client ``client`` has left the group."""
-    with _LEFT_CV:
-        _LEFT.add(int(client))
-        _LEFT_CV.notify_all()
-
-
-def left_clients() -> set[int]:
-    """The clients that told this process (their coordinator) they left."""
-    with _LEFT_CV:
-        return set(_LEFT)
-
-
-def wait_left(clients, timeout: float) -> set[int]:
-    """Wait up to ``timeout`` seconds until every client in ``clients`` left; those that did not."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    with _LEFT_CV:
-        while not set(clients) <= _LEFT and time.monotonic() < deadline:
-            _LEFT_CV.wait(max(0.0, deadline - time.monotonic()))
-        return set(clients) - _LEFT
-
-
-def wait_clients_left(clients, timeout: float, ping_every: float = 1.0) -> list[int]:
-    """In the coordinator: wait up to ``timeout`` seconds until every client in ``clients`` left or
-    is unreachable (a dead trainer does not hold the others up); the clients still there."""
-    import time
-
-    deadline, missing = time.monotonic() + timeout, set(clients)
-    while True:
-        missing &= wait_left(missing, min(ping_every, max(0.0, deadline - time.monotonic())))
-        if not missing or time.monotonic() >= deadline:
-            return sorted(missing)
-        pings = {c: rpc.rpc_async(client_name(c), os.getpid, timeout=ping_every) for c in missing}
-        for c, f in pings.items():
-            try:
-                f.wait()
-            except BaseException:        # noqa: BLE001 - unreachable: gone without a word
-                missing.discard(c)
 
 
 # ------------------------------------------------------------------------------ calls out
@@ -249,14 +247,16 @@ def map_error(e: BaseException, actor: str, method: str, timeout: float) -> Base
 
 
 def call_actor(worker: str, actor: str, method: str, args, kwargs, timeout: float,
-               on_error=map_error) -> cf.Future:
-    """Call ``actor.method(*args, **kwargs)`` on RPC worker ``worker``; a concurrent future."""
+               on_error=map_error, ns: str = "") -> cf.Future:
+    """Call ``actor.method(*args, **kwargs)`` of job ``ns`` on RPC worker ``worker``; a concurrent
+    future (errors name ``actor``, without the job prefix)."""
+    key = ns + actor
     with _SEQ_LOCK:
-        seq = next(_SEQ.setdefault(actor, itertools.count()))
+        seq = next(_SEQ.setdefault(key, itertools.count()))
     caller = rpc.get_worker_info().name
     out: cf.Future = cf.Future()
     try:
-        fut = rpc.rpc_async(worker, _invoke, args=(actor, caller, seq, method, args, kwargs), timeout=timeout)
+        fut = rpc.rpc_async(worker, _invoke, args=(key, caller, seq, method, args, kwargs), timeout=timeout)
     except BaseException as e:             # noqa: BLE001
         settle(out, exc=on_error(e, actor, method, timeout))
         return out
@@ -277,16 +277,17 @@ def call_actor(worker: str, actor: str, method: str, args, kwargs, timeout: floa
 
 
 class RpcPeers:
-    """Calls from any process of the group to actors by name (``placement``: actor -> RPC worker name).
+    """Calls from any process of the group to the actors of job ``ns`` by name (``placement``: actor
+    -> RPC worker name).
 
     Picklable: a role receives one to talk to the other roles (a loader to its constructors).
     """
 
-    def __init__(self, placement: dict[str, str]):
-        self.placement = dict(placement)
+    def __init__(self, placement: dict[str, str], ns: str = ""):
+        self.placement, self.ns = dict(placement), ns
 
     def call(self, name: str, method: str, *args, timeout: float, **kwargs) -> cf.Future:
-        return call_actor(self.placement[name], name, method, args, kwargs, timeout)
+        return call_actor(self.placement[name], name, method, args, kwargs, timeout, ns=self.ns)
 
     def spawn(self, name: str, factory, args: tuple, worker: str, timeout: float = 60.0) -> None:
         """Start a (replacement) actor on RPC worker ``worker`` and remember where it lives."""
@@ -297,7 +298,7 @@ class RpcPeers:
         only then is it placed."""
         out: cf.Future = cf.Future()
         try:
-            fut = rpc.rpc_async(worker, _create, args=(name, factory, args, {}), timeout=timeout)
+            fut = rpc.rpc_async(worker, _create, args=(self.ns + name, factory, args, {}), timeout=timeout)
         except BaseException as e:          # noqa: BLE001
             settle(out, exc=map_error(e, name, "__init__", timeout))
             return out
@@ -338,12 +339,15 @@ def _watch_parent(conn) -> None:
 
 def worker_main(name: str, rank: int, world_size: int, init_method: str, rpc_timeout: float, conn,
                 env: dict | None = None) -> None:
-    """A role worker: join the group, host actors until every member shuts down, then exit."""
+    """A role worker: join the group and host actors until its parent closes the pipe (or dies), or
+    the launcher calls :func:`_exit_now`; then exit at once, without a shutdown barrier."""
     from .rendezvous import register
 
     os.environ.update(LOOPBACK_ENV if env is None else env)
+    set_cpp_log_level(CPP_ERRORS_ONLY, at_least=True)
     register()
-    threading.Thread(target=_watch_parent, args=(conn,), name="overlord-parent-watch", daemon=True).start()
+    watch = threading.Thread(target=_watch_parent, args=(conn,), name="overlord-parent-watch", daemon=True)
+    watch.start()
     init_rpc(name, rank, world_size, init_method, rpc_timeout)
-    rpc.shutdown(graceful=True)             # serves calls until the whole group shuts down
+    watch.join()                            # serves calls meanwhile; the watcher ends the process
     os._exit(0)

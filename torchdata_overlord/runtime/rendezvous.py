@@ -7,8 +7,9 @@ through the ``overlordtcp://`` rendezvous registered here, as a store *client* (
 re-created by rank 0, and keys live under a prefix, so a trainer's own ``torch.distributed`` keys
 in a shared agent store are left alone).
 
-The c10d store listens on every interface whatever address it is given, and RPC peers exchange
-pickles: a launched job's ports belong on a private network (see README, Security).
+The store node 0 hosts listens on ``MASTER_ADDR`` only (a socket bound there and handed to the
+c10d store, which would otherwise listen on every interface). RPC peers exchange pickles: a launched
+job's ports belong on a private network (see README, Security).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import socket
+import time
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 
-__all__ = ["LAYOUT_KEY", "parse_address", "check_port_free", "connect_store", "host_store", "join_launched",
+__all__ = ["LAYOUT_KEY", "parse_address", "listen_socket", "connect_store", "host_store", "join_launched",
            "is_loopback"]
 
 LAYOUT_KEY = "overlord/layout"
@@ -45,31 +47,67 @@ def is_loopback(host: str) -> bool:
     return all(info[4][0].startswith("127.") or info[4][0] == "::1" for info in infos)
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Refuse a port something already listens on (before any process starts)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("" if not is_loopback(host) else "127.0.0.1", port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise ConfigError(f"MASTER_PORT {port} is in use on this machine (another job or launcher?); "
-                                  f"choose a free port with MASTER_PORT=<port>") from None
-            raise ConfigError(f"cannot bind MASTER_ADDR:MASTER_PORT = {host}:{port}: {e}") from None
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``'s IPv4 address and ``port`` (not listening yet), or a clear error:
+    the port is in use, or ``host`` is not an address of this machine."""
+    try:
+        addr = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except OSError as e:
+        raise ConfigError(f"MASTER_ADDR={host} does not resolve to an IPv4 address: {e}") from None
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((addr, port))
+    except OSError as e:
+        s.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"MASTER_PORT {port} is in use on this machine (another job or launcher?); "
+                              f"choose a free port with MASTER_PORT=<port>") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"MASTER_ADDR={host} ({addr}) is not an address of this machine: node 0 hosts the "
+                              f"store there; give its address on the network you chose") from None
+        raise ConfigError(f"cannot bind MASTER_ADDR:MASTER_PORT = {host}:{port}: {e}") from None
+    return s
+
+
+def _unreachable(host: str, port: int, timeout: float, why: str) -> ConfigError:
+    return ConfigError(f"cannot reach the data plane's store at {host}:{port} within {timeout:g} s: is node 0 of "
+                       f"`python -m torchdata_overlord.launch` running with MASTER_ADDR={host} MASTER_PORT={port}? "
+                       f"({why})")
 
 
 def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
-    """A client of the store at ``host:port``, or a clear error once ``timeout`` seconds passed."""
+    """A client of the store at ``host:port``, or a clear error once ``timeout`` seconds passed.
+
+    The port is probed with plain connections until something listens (c10d's own retries overshoot
+    the timeout by half and print native stack frames); the store then gets the time left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, deadline - time.monotonic()))):
+                break
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise _unreachable(host, port, timeout, f"{type(e).__name__}: {e}") from None
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))   # retry until the launcher is up
     try:
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        return dist.TCPStore(host, port, is_master=False,
+                             timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
     except (RuntimeError, OSError) as e:
-        raise ConfigError(f"cannot reach the data plane's store at {host}:{port} within {timeout:g} s: is node 0 "
-                          f"of `python -m torchdata_overlord.launch` running with MASTER_ADDR={host} "
-                          f"MASTER_PORT={port}? ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        raise _unreachable(host, port, timeout, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
 
 
 def host_store(host: str, port: int, timeout: float) -> dist.TCPStore:
-    check_port_free(host, port)
-    return dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    """Node 0's store, listening on ``host``'s address only (``MASTER_ADDR``, e.g. 127.0.0.1)."""
+    sock = listen_socket(host, port)
+    try:
+        store = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()                            # the store owns (and closes) the socket now
+    return store
 
 
 def _store_client_handler(url: str, timeout: timedelta = timedelta(seconds=300), **kwargs):
@@ -93,7 +131,9 @@ def join_launched(address: str, cfg, client: int, startup_timeout: float, stop_t
     from .rpc_transport import RpcTransport
 
     host, port = parse_address(address)
+    deadline = time.monotonic() + startup_timeout
     store = connect_store(host, port, startup_timeout)
+    store.set_timeout(timedelta(seconds=max(1.0, deadline - time.monotonic())))
     try:
         layout = json.loads(store.get(LAYOUT_KEY))
     except RuntimeError as e:
@@ -108,7 +148,7 @@ def join_launched(address: str, cfg, client: int, startup_timeout: float, stop_t
     if isinstance(client, bool) or not isinstance(client, int) or not 0 <= client < trainers:
         raise ConfigError(f"client (the trainer rank) must be in [0, {trainers}) for the job at {address}, "
                           f"got {client!r}")
-    transport = RpcTransport.join(layout["rendezvous"], client, startup_timeout=startup_timeout,
+    transport = RpcTransport.join(layout["rendezvous"], client, startup_timeout=max(1.0, deadline - time.monotonic()),
                                   stop_timeout=stop_timeout)
     transport.place(layout["placement"])
     return transport

@@ -22,7 +22,8 @@ Every call carries ``timeout`` seconds. Sources are rebuilt inside the workers f
 :class:`SourceSpec` (a used ParquetSource holds open Arrow files and does not pickle); the strategy,
 transforms and mesh must pickle (a strategy defined at module level does, a closure or lambda does not),
 and be loadable in the role processes (checked before any starts: see :mod:`.loadable`).
-torch.distributed.rpc can be initialised once per process, so a process can be in one RpcJob.
+Several RpcJobs may run in one process: those opened while another runs share its RPC group and
+worker processes (see :mod:`~torchdata_overlord.runtime.rpc_session`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from ..errors import ConfigError
+from ..errors import ConfigError, OverlordError
 from ..plane.place_tree import ClientPlaceTree
 from ..sources.parquet import ParquetSource
 from .actors import (PLANNER, ConstructorActor, JobReset, LoaderActor, constructor_actor, loader_actor,
@@ -80,6 +81,10 @@ class PlannerRegistry:
 
         threading.Thread(target=wait, name="overlord-registry-wait", daemon=True).start()
         return out
+
+
+class JobStopped(OverlordError, RuntimeError):
+    """The job's coordinator (the launcher) stopped every role, and says why (e.g. another trainer died)."""
 
 
 class _Request:
@@ -311,6 +316,9 @@ class RpcJob:
         self.fetches = 0                   # constructor fetch calls this client made
         self._registry = None              # the leader tells the other clients where a new Planner is
         self._planners = 0                 # replacement Planners started
+        self._stopped: str | None = None   # why the launcher stopped the job, once it did
+        self._final_stats: dict | None = None
+        self._running = False              # every role started
         try:
             if transport is not None:
                 self.client = 0
@@ -327,17 +335,62 @@ class RpcJob:
                 self.client = 0
                 self.transport = RpcTransport(n_workers + spares, startup_timeout=startup_timeout, rpc_timeout=self.timeout,
                                               stop_timeout=stop_timeout)
-                start_roles(self.transport, cfg, n_workers, self._spare_names(), startup_timeout)
+                self._fit_workers()
+                start_roles(self.transport, cfg, self.n_workers, self._spare_names(), startup_timeout)
+            if hasattr(self.transport, "on_stopped"):
+                self.transport.on_stopped(self._on_stopped)
+            self._running = True
         except BaseException:
             self.close()
             raise
+
+    def _fit_workers(self) -> None:
+        """A job sharing this process's RPC group with another (see rpc_session) places its roles and
+        spares on that group's workers."""
+        have = self.transport.n_workers
+        if have >= self.n_workers + self.spares:
+            return
+        if have - self.spares < 1:
+            raise ConfigError(f"this process's RPC group, started by the rpc loader opened first, has {have} worker "
+                              f"process(es) (its membership is fixed): too few for spares={self.spares}; give the "
+                              f"first loader more spares=, or close it before opening this one")
+        self.n_workers = have - self.spares
+
+    def _on_stopped(self, reason: str) -> None:
+        """The launcher stopped the job (another trainer died, Ctrl-C...): every step asked for fails
+        with JobStopped saying why, now and later."""
+        self._stopped = reason
+        for req in list(self._requests.copy().values()):
+            settle(req.out, exc=JobStopped(reason))
+
+    def _snapshot(self) -> dict | None:
+        """:meth:`stats` as :meth:`close` begins, for ``stats()`` after it: only when the job had no
+        failure and its Planner answers within a few seconds (a close never waits on a lost role)."""
+        t = min(self.timeout, 5.0)
+        try:
+            if not self._running or self._stopped is not None or self.faults["failures"]:
+                return None
+            self._call(self.planner_name, "roles", timeout=t).result(t + 1)
+            return self.stats()
+        except Exception:                    # noqa: BLE001 - diagnostics only: close anyway
+            return None
+
+    def _closed_stats(self) -> dict:
+        out = copy.deepcopy(self._final_stats) if self._final_stats is not None else {
+            "sources": {}, "planner": {}, "constructors": {}, "roles": {}, "spares": [], "unanswered": {},
+            "processes": {os.getpid(): process_memory()}}
+        out.update(closed=True, client={"client": self.client, "fetches": self.fetches,
+                                        "faults": copy.deepcopy(self.faults)})
+        if self._stopped is not None:
+            out["stopped"] = self._stopped
+        return out
 
     def _host_registry(self) -> None:
         """The leader, in a job with other clients, serves where the Planner is (it may replace it)."""
         if self.client == 0 and self.cfg.clients > 1 and hasattr(self.transport, "place"):
             from . import _rpc_worker as W
             self._registry = PlannerRegistry(self.planner_name, W.worker_name(self.transport.worker_of(PLANNER)))
-            W._actor(REGISTRY).set(self._registry)
+            W._actor(self.transport.key(REGISTRY)).set(self._registry)
 
     def _start_in_group(self, startup_timeout: float, stop_timeout: float) -> None:
         """Group rank 0 starts the workers and broadcasts the rendezvous; every rank joins as a client."""
@@ -363,6 +416,7 @@ class RpcJob:
                 if not sent:            # the others wait in the broadcast: tell them why nothing comes
                     dist.broadcast_object_list([{"error": f"{type(e).__name__}: {e}"}], src=src, group=pg)
                 raise
+            self._fit_workers()
             start_roles(self.transport, self.cfg, self.n_workers, self._spare_names(), startup_timeout)
             self._host_registry()
         else:
@@ -372,6 +426,7 @@ class RpcJob:
                 raise TransportStartupError(f"trainer rank 0 could not start the data plane's roles: {box[0]['error']}")
             self.transport = RpcTransport.join(box[0]["rendezvous"], self.client, startup_timeout=startup_timeout,
                                                stop_timeout=stop_timeout)
+            self._fit_workers()
             self.transport.place(self.cfg.placement(self.n_workers))
 
     def _spare_names(self) -> list[str]:
@@ -435,6 +490,8 @@ class RpcJob:
         (default: all before this one), so the roles can free what every client has used. A request
         that fails because a role failed is asked again once the role is replaced (the future's
         ``delayed`` attribute is True when a failure held the step up)."""
+        if self._stopped is not None:
+            raise JobStopped(self._stopped)
         if self._gen is None:
             self._attach(None, self._next)
         self._check_feedback()
@@ -565,7 +622,7 @@ class RpcJob:
             raise RoleLost(f"client {self.client} lost the Planner ({err}) and cannot learn its replacement") from err
         from . import _rpc_worker as W
         got = W.call_actor(W.client_name(0), REGISTRY, "planner_after", (self.planner_name, self.recovery_timeout),
-                           {}, self.recovery_timeout + 5).result(self.recovery_timeout + 10)
+                           {}, self.recovery_timeout + 5, ns=self.transport.ns).result(self.recovery_timeout + 10)
         if got is None:
             raise RoleLost(f"client {self.client} lost the Planner ({err}) and the leader (client 0) started no new one "
                            f"within recovery_timeout={self.recovery_timeout:g} s") from err
@@ -655,7 +712,10 @@ class RpcJob:
         recovery (``"roles"``: role -> its current pid; ``"role_recovery"``: role -> the actor serving it,
         its pid and how many times a replacement took it over). A role that does not answer within the
         call timeout (busy with a long fill, or failed) is listed in ``"unanswered"`` and its entry is
-        ``{"error": ...}``: diagnostics never stop the training loop."""
+        ``{"error": ...}``: diagnostics never stop the training loop. After :meth:`close`: the roles'
+        stats as the close began (they are gone), this client's final ones, and ``"closed": True``."""
+        if self._closed:
+            return self._closed_stats()
         roles, info = self._serving()
         futs = {(kind, r): self._call(a, kind) for kind in ("stats", "process") for r, a in roles.items()}
         cf.wait(list(futs.values()), timeout=self.timeout + 5)
@@ -683,15 +743,17 @@ class RpcJob:
                                   for r, a in roles.items()}}
 
     def close(self) -> None:
-        """Leave the job. A client of a launched job or of a trainer group tells its coordinator and
-        leaves; client 0 of a job it started first waits (up to the timeout) for the other clients to
-        leave, then closes the roles (bounded, errors ignored) and stops the workers."""
+        """Leave the job, first keeping what :meth:`stats` says (bounded). A client of a launched job
+        tells the launcher and leaves, another client of a trainer group just leaves; client 0 of a
+        job it started first waits (up to the timeout) for the other clients to close it, then closes
+        the roles (bounded, errors ignored) and stops the workers (unless another job shares them)."""
         if self._closed:
             return
+        self._final_stats = self._snapshot()
         self._closed = True
         self._recovery.shutdown(wait=False, cancel_futures=True)
         try:
-            if self.transport is not None and hasattr(self.transport, "leave"):
+            if self.transport is not None and hasattr(self.transport, "leave") and self._stopped is None:
                 self.transport.leave(self.timeout)
             if self.transport is not None and self.client == 0 and not self._launched:
                 missing = self.transport.wait_for_clients(self.timeout) if hasattr(self.transport, "leave") else []

@@ -1,6 +1,6 @@
 """RpcTransport: actors in role worker processes, reached with torch.distributed.rpc.
 
-An RPC group has *workers* (``overlord-worker-<i>``, processes that host actors) and *clients*
+An RPC group has *workers* (``overlord-actors-<i>``, processes that host actors) and *clients*
 (``overlord-client-<c>``, trainer processes that call them). ``RpcTransport(n_workers, clients=C)``
 makes this process client 0 (rank 0) and starts the workers from the multiprocessing fork server
 (which preloads torch, so a worker costs a few MiB, not ~300); the other ``C - 1`` clients join
@@ -9,17 +9,17 @@ around with its own collectives). Each worker may host several actors (``start_a
 worker=i)``, round-robin by default). The launcher (``torchdata_overlord.launch``) builds the same
 group across machines.
 
-Loopback only by default: rendezvous goes through a ``file://`` store in a private temporary
-directory, not ``tcp://`` (the c10d TCPStore listens on ``::``, every interface, whatever host is
-given), and TensorPipe is restricted to its ``uv`` transport and ``basic`` channel with
-``TP_SOCKET_IFNAME=lo`` and ``GLOO_SOCKET_IFNAME=lo``, so the only listening sockets are on 127.0.0.1.
+One transport is one job. A process has one RPC group at a time (:mod:`.rpc_session`): a transport
+opened while this process's group runs shares it, its actors named under its own prefix and placed
+on the same workers (``n_workers`` is then the group's); the last transport to stop ends the group,
+and the next one starts a new group. A dead peer cannot be replaced (no dynamic membership), and
+nobody waits in a group-wide shutdown barrier: where several trainers share the roles, each stops
+locally when it is done (in a launched job after telling the launcher, :meth:`leave`).
 
-Limits of torch 2.14.1's rpc that shape this class: one RPC group per process lifetime (a second
-``init_rpc`` after ``shutdown`` hangs creating its Gloo group), so one RpcTransport per process;
-a dead peer cannot be replaced (no dynamic membership); ``shutdown(graceful=True)`` hangs on a dead
-peer, so ``stop()`` bounds it and falls back to a non-graceful shutdown, and it is a barrier of the
-whole group, so only a group's single client uses it: where several trainers share the roles, each
-:meth:`leave` s (tells the coordinator) and shuts down locally when it is done.
+Loopback only by default: rendezvous goes through a ``file://`` store in a private temporary
+directory, not ``tcp://`` (the c10d TCPStore listens on ``::``, every interface, unless given a bound
+socket), and TensorPipe is restricted to its ``uv`` transport and ``basic`` channel with
+``TP_SOCKET_IFNAME=lo`` and ``GLOO_SOCKET_IFNAME=lo``, so the only listening sockets are on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -28,118 +28,26 @@ import atexit
 import concurrent.futures as cf
 import itertools
 import logging
-import multiprocessing as mp
-import os
-import shutil
-import tempfile
 import threading
-import time
 from typing import Callable
 
-from ..errors import ConfigError, OverlordError
+from ..errors import ConfigError
 from . import _rpc_worker as W
+from . import rpc_leave as L
+from . import rpc_session as S
+from .rpc_agent import CPP_ERRORS_ONLY, TransportStartupError, set_cpp_log_level
+from .rpc_session import spawn_workers
 from .transport import ActorDied, CallTimeout, Transport, TransportClosed, check_timeout, settle
 
-__all__ = ["RpcTransport", "TransportStartupError"]
+__all__ = ["RpcTransport", "TransportStartupError", "spawn_workers"]
 log = logging.getLogger(__name__)
-
-_USED = threading.Lock()                  # held for the life of the process once rpc was initialised
-
-
-def claim_rpc() -> None:
-    """Mark this process as having started torch.distributed.rpc (possible once per process)."""
-    if not _USED.acquire(blocking=False):
-        raise TransportClosed("torch.distributed.rpc can be initialised once per process (a second init_rpc "
-                              "hangs in torch 2.14.1): this process already had an RpcTransport")
-
-
-#: what the fork server imports once, so every worker (spares included) starts with it in shared pages
-PRELOAD = ["torch", "torch.distributed.rpc", "pyarrow.parquet", W.__name__, "torchdata_overlord.runtime.planner_actor",
-           "torchdata_overlord.transforms"]
-
-
-def spawn_workers(members: list[tuple[str, int]], rendezvous: dict, rpc_timeout: float,
-                  start_method: str = "forkserver") -> tuple[list, list]:
-    """Start one role worker process per ``(name, rank)``; each exits when its pipe (the second
-    list) is closed or its parent dies. Workers come from the fork server, which preloads torch."""
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)
-    procs, conns = [], []
-    for name, rank in members:
-        r, w = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=W.worker_main, args=(name, rank, rendezvous["world_size"], rendezvous["init_method"],
-                                                    rpc_timeout, r, rendezvous.get("env", {})),
-                        name=name, daemon=True)
-        p.start()
-        r.close()
-        procs.append(p)
-        conns.append(w)
-    return procs, conns
-
-
-def start_rpc(name: str, rank: int, world_size: int, init_method: str, rpc_timeout: float,
-              startup_timeout: float, alive: Callable[[], list[str]] = lambda: []) -> None:
-    """``init_rpc`` in a thread, bounded by ``startup_timeout``; ``alive()`` names dead helpers to fail fast."""
-    from .rendezvous import register
-
-    register()
-    errors: list = []
-
-    def init():
-        try:
-            W.init_rpc(name, rank, world_size, init_method, rpc_timeout)
-        except BaseException as e:       # noqa: BLE001
-            errors.append(e)
-
-    t = threading.Thread(target=init, name="overlord-rpc-init", daemon=True)
-    t.start()
-    deadline = time.monotonic() + startup_timeout
-    while t.is_alive():
-        dead = alive()
-        if dead:
-            raise TransportStartupError(f"RPC process(es) {dead} exited during start-up")
-        if time.monotonic() > deadline:
-            raise TransportStartupError(f"the RPC group of {world_size} processes did not assemble within "
-                                        f"startup_timeout={startup_timeout:g} s (a member never joined)")
-        t.join(0.05)
-    if errors:
-        raise TransportStartupError(f"init_rpc failed for {name}: {errors[0]}") from errors[0]
-
-
-def stop_rpc(graceful: bool, timeout: float) -> None:
-    """``rpc.shutdown``, graceful (every member) at most ``timeout`` seconds, else non-graceful."""
-    import torch.distributed.rpc as rpc
-
-    def shut():
-        try:
-            if graceful:
-                rpc.shutdown(graceful=True, timeout=timeout)
-            else:
-                rpc.shutdown(graceful=False)
-        except BaseException:        # noqa: BLE001
-            if graceful:
-                try:
-                    rpc.shutdown(graceful=False)
-                except BaseException:  # noqa: BLE001
-                    pass
-
-    t = threading.Thread(target=shut, name="overlord-rpc-shutdown", daemon=True)
-    t.start()
-    t.join(timeout + 2)
-    if t.is_alive():
-        log.error("rpc.shutdown did not finish within %g s; RPC threads may still run", timeout + 2)
-
-
-class TransportStartupError(OverlordError, RuntimeError):
-    """The RPC workers did not come up (a worker died or ``startup_timeout`` passed)."""
 
 
 class RpcTransport(Transport):
     """``RpcTransport(n_workers=2, clients=1, startup_timeout=60, rpc_timeout=60, stop_timeout=10,
     start_method="forkserver", on_rendezvous=None)``: start ``n_workers`` role workers with this
-    process as client 0; ``on_rendezvous(rendezvous)`` is called once the workers are started and
-    before waiting for the other clients (hand it to them).
+    process as client 0 (or share the group this process started already); ``on_rendezvous(rendezvous)``
+    is called once the workers are started and before waiting for the other clients (hand it to them).
     Arguments, factories and results must be picklable (tensors travel without an extra copy);
     ``call`` returns a ``concurrent.futures.Future``."""
 
@@ -151,97 +59,86 @@ class RpcTransport(Transport):
                 raise ConfigError(f"{arg} must be an integer >= 1, got {v!r}")
         if start_method not in ("forkserver", "spawn"):
             raise ConfigError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
-        self.n_workers, self.clients = n_workers, clients
         self.startup_timeout = check_timeout(startup_timeout)
         self.rpc_timeout = check_timeout(rpc_timeout)
         self.stop_timeout = check_timeout(stop_timeout)
-        claim_rpc()
         self._closed = False
         self._lock = threading.Lock()
         self._placement: dict[str, int] = {}
         self._started: set[str] = set()
         self._rr = itertools.count()
-        self._procs: list = []
-        self._conns: list = []
-        self._rpc_up = False
-        self._peer_died = False
-        self._tmp = None
+        if _join is None:
+            self.client = 0
+            self.session, self.ns = S.open_spawned(n_workers, clients, self.startup_timeout, self.rpc_timeout,
+                                                   self.stop_timeout, start_method, on_rendezvous)
+        else:
+            self.client = _join["client"]
+            self.session, self.ns = S.open_joined(_join["rendezvous"], self.client, self.startup_timeout,
+                                                  self.stop_timeout, _join.get("abort") or (lambda: None))
+        self.rendezvous = dict(self.session.rendezvous, ns=self.ns)
+        self.n_workers, self.clients = self.session.n_workers, self.session.clients
         atexit.register(self.stop)
-        try:
-            if _join is None:
-                self._tmp = tempfile.mkdtemp(prefix="overlord-rpc-")
-                self.rendezvous = {"init_method": f"file://{os.path.join(self._tmp, 'store')}",
-                                   "world_size": n_workers + clients, "n_workers": n_workers,
-                                   "rpc_timeout": self.rpc_timeout, "env": dict(W.LOOPBACK_ENV)}
-                self.client = 0
-                self._spawn(start_method, on_rendezvous)
-            else:
-                self.rendezvous = dict(_join["rendezvous"])
-                self.client = _join["client"]
-                os.environ.update(self.rendezvous.get("env", {}))
-                start_rpc(W.client_name(self.client), self.client_rank(self.client), self.rendezvous["world_size"],
-                          self.rendezvous["init_method"], self.rpc_timeout, self.startup_timeout)
-            self._rpc_up = True
-        except BaseException:
-            self._teardown(graceful=False)
-            raise
 
     @classmethod
-    def join(cls, rendezvous: dict, client: int, *, startup_timeout: float = 60.0, stop_timeout: float = 10.0
-             ) -> "RpcTransport":
-        """Join the group described by ``rendezvous`` (another transport's :attr:`rendezvous`, or a
-        launcher's) as client ``client``; actors are started by client 0 or the launcher."""
+    def join(cls, rendezvous: dict, client: int, *, startup_timeout: float = 60.0, stop_timeout: float = 10.0,
+             abort: Callable[[], str | None] | None = None) -> "RpcTransport":
+        """Join the job described by ``rendezvous`` (another transport's :attr:`rendezvous`, or a
+        launcher's) as client ``client``; actors are started by client 0 or the launcher. ``abort()``
+        may say why to give up waiting for the group early (None: keep waiting)."""
         n, world = int(rendezvous["n_workers"]), int(rendezvous["world_size"])
         first = 0 if "client_ranks" in rendezvous else 1        # client 0 of a spawned group is its spawner
         if isinstance(client, bool) or not isinstance(client, int) or not first <= client < world - n:
             raise ConfigError(f"client must be in [{first}, {world - n}) to join this group, got {client!r}")
         return cls(n, clients=world - n, startup_timeout=startup_timeout, rpc_timeout=rendezvous["rpc_timeout"],
-                   stop_timeout=stop_timeout, _join={"rendezvous": rendezvous, "client": client})
+                   stop_timeout=stop_timeout, _join={"rendezvous": rendezvous, "client": client, "abort": abort})
+
+    def key(self, name: str) -> str:
+        """Actor ``name`` of this job as registered in the group's processes."""
+        return self.ns + name
 
     @property
-    def coordinator(self) -> str | None:
-        """The member that learns when clients leave: a launched job's launcher, else client 0; None
-        when this process is the group's only client."""
-        if "client_ranks" in self.rendezvous:
-            return W.client_name(len(self.rendezvous["client_ranks"]) - 1)
-        return W.client_name(0) if self.clients > 1 else None
+    def _procs(self) -> list:
+        return self.session.procs
+
+    @property
+    def ledger(self) -> str | None:
+        """The member that learns when clients leave this job: a launched job's launcher (None otherwise)."""
+        return W.client_name(len(self.rendezvous["client_ranks"]) - 1) if self.session.launched else None
 
     def leave(self, timeout: float = 10.0) -> None:
-        """Tell the coordinator this client is leaving (call before :meth:`stop`; errors are logged)."""
+        """In a launched job, tell the launcher this client is leaving (call before :meth:`stop`;
+        errors are logged). Elsewhere client 0 asks the others whether they closed the job."""
         import torch.distributed.rpc as rpc
 
-        coordinator = self.coordinator
-        if coordinator is None or coordinator == W.client_name(self.client) or not self._rpc_up:
+        ledger = self.ledger
+        if ledger is None or ledger == W.client_name(self.client) or self._closed or not self.session.up:
             return
         try:
-            rpc.rpc_sync(coordinator, W._client_left, args=(self.client,), timeout=timeout)
-        except BaseException as e:           # noqa: BLE001 - the coordinator may be gone: leave anyway
-            log.warning("client %d could not tell %s it leaves: %s", self.client, coordinator, e)
+            rpc.rpc_sync(ledger, L._client_left, args=(self.ns, self.client), timeout=timeout)
+        except BaseException as e:           # noqa: BLE001 - the ledger may be gone: leave anyway
+            log.warning("client %d could not tell %s it leaves: %s", self.client, ledger, e)
 
     def wait_for_clients(self, timeout: float) -> list[int]:
-        """Client 0 of a group it started: wait until the other clients left (or are unreachable),
-        at most ``timeout`` seconds, before the workers stop under them; the clients still there."""
-        if self.client != 0 or self.clients == 1 or "client_ranks" in self.rendezvous or not self._rpc_up:
+        """Client 0 of a job it started: wait until the other clients closed it (or are unreachable:
+        stopped, or died), at most ``timeout`` seconds, before the roles stop under them; the clients
+        still there. C++ warnings are off meanwhile (a question may meet a client that is stopping)."""
+        if self.client != 0 or self.clients == 1 or self.session.launched or not self.session.up:
             return []
-        return W.wait_clients_left(range(1, self.clients), timeout)
+        previous = set_cpp_log_level(CPP_ERRORS_ONLY, at_least=True)
+        try:
+            return L.wait_clients_gone(self.ns, range(1, self.clients), timeout)
+        finally:
+            if previous is not None:
+                set_cpp_log_level(previous)
 
-    def client_rank(self, c: int) -> int:
-        """RPC rank of client ``c``: client 0 is rank 0 and workers 1..n unless the rendezvous says otherwise."""
-        if "client_ranks" in self.rendezvous:
-            return int(self.rendezvous["client_ranks"][c])
-        return 0 if c == 0 else self.n_workers + c
+    def on_stopped(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` if the job's coordinator (the launcher) stops it; from then on
+        C++ warnings are off in this process until its group ends (the peers are going away)."""
+        def stopped(reason: str) -> None:
+            self.session.quiet()
+            callback(reason)
 
-    # -------------------------------------------------------------------------------- start-up
-
-    def _spawn(self, start_method: str, on_rendezvous: Callable[[dict], None] | None) -> None:
-        os.environ.update(W.LOOPBACK_ENV)
-        rv = self.rendezvous
-        self._procs, self._conns = spawn_workers([(W.worker_name(i), i + 1) for i in range(self.n_workers)], rv,
-                                                 self.rpc_timeout, start_method)
-        if on_rendezvous is not None:        # the other clients learn how to join (before we wait for them)
-            on_rendezvous(dict(rv))
-        start_rpc(W.client_name(0), 0, rv["world_size"], rv["init_method"], self.rpc_timeout, self.startup_timeout,
-                  alive=lambda: [f"{p.name} (exit code {p.exitcode})" for p in self._procs if not p.is_alive()])
+        L.on_job_stopped(self.ns, stopped)
 
     # -------------------------------------------------------------------------------- actors
 
@@ -266,7 +163,7 @@ class RpcTransport(Transport):
         try:
             if self._procs and not self._procs[i].is_alive():
                 raise ActorDied(f"cannot start actor {name!r}: its worker {W.worker_name(i)} is dead", name)
-            fut = rpc.rpc_async(W.worker_name(i), W._create, args=(name, factory, args, kwargs),
+            fut = rpc.rpc_async(W.worker_name(i), W._create, args=(self.key(name), factory, args, kwargs),
                                 timeout=self.startup_timeout)
             try:
                 failure = fut.wait()
@@ -299,18 +196,19 @@ class RpcTransport(Transport):
             out: cf.Future = cf.Future()
             settle(out, exc=self._died(name, method))
             return out
-        return W.call_actor(W.worker_name(i), name, method, args, kwargs, timeout, on_error=self._map_error)
+        return W.call_actor(W.worker_name(i), name, method, args, kwargs, timeout, on_error=self._map_error,
+                            ns=self.ns)
 
     def is_alive(self, name: str) -> bool:
         i = self._placement.get(name)
         return i is not None and not self._closed and (not self._procs or self._procs[i].is_alive())
 
     def peers(self) -> W.RpcPeers:
-        return W.RpcPeers({a: W.worker_name(i) for a, i in self._placement.items()})
+        return W.RpcPeers({a: W.worker_name(i) for a, i in self._placement.items()}, self.ns)
 
     def mark_unhealthy(self) -> None:
-        """Some member may be dead or frozen: stop without waiting for a graceful shutdown."""
-        self._peer_died = True
+        """Some member may be dead or frozen: when the group ends, give its workers less time."""
+        self.session.unhealthy = True
 
     def worker_of(self, name: str) -> int:
         """The 0-based worker index hosting actor ``name``."""
@@ -318,7 +216,7 @@ class RpcTransport(Transport):
 
     @property
     def worker_pids(self) -> list[int]:
-        """Process ids of the workers this transport started (empty for a joined client)."""
+        """Process ids of the workers this process started (empty for a joined client)."""
         return [p.pid for p in self._procs]
 
     # -------------------------------------------------------------------------------- errors
@@ -331,7 +229,7 @@ class RpcTransport(Transport):
     def _map_error(self, e: BaseException, name: str, method: str, timeout: float) -> BaseException:
         err = W.map_error(e, name, method, timeout)
         if isinstance(err, ActorDied):
-            self._peer_died = True            # a graceful shutdown would wait for it in vain
+            self.session.unhealthy = True
         i = self._placement.get(name)
         if isinstance(err, CallTimeout) or i is None or not self._procs:
             return err
@@ -342,32 +240,13 @@ class RpcTransport(Transport):
     # -------------------------------------------------------------------------------- stop
 
     def stop(self) -> None:
-        """Shut RPC down (gracefully, bounded, when every worker is alive), then reap the workers."""
+        """Leave the group: client 0 of a job that shares its group drops the job's actors; the last
+        job of this process ends the group (this process's agent stops locally, then the workers it
+        started exit). Idempotent, bounded by ``stop_timeout``."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        # the shutdown barrier only when this is the group's one client: other clients leave on their own
-        self._teardown(graceful=self.clients == 1 and not self._peer_died and all(p.is_alive() for p in self._procs))
-
-    def _teardown(self, graceful: bool) -> None:
-        self._closed = True
-        # after a failure a worker may be frozen (it never reads its pipe): kill stragglers sooner
-        deadline = time.monotonic() + (self.stop_timeout if graceful else 2.0)
-        if self._rpc_up:
-            self._rpc_up = False
-            stop_rpc(graceful, self.stop_timeout)
-        for c in self._conns:                # EOF on the pipe: every worker exits
-            try:
-                c.close()
-            except OSError:
-                pass
-        for p in self._procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-                p.join(2.0)
-        if self._tmp:
-            shutil.rmtree(self._tmp, ignore_errors=True)
         atexit.unregister(self.stop)
+        L.mark_closed(self.ns)
+        self.session.release(self.ns, drop=self.client == 0 and not self.session.launched)

@@ -1,0 +1,267 @@
+"""This process's RPC group, shared by every job (``RpcTransport``) that runs while it is up.
+
+torch.distributed.rpc runs one agent per process, in a group whose members are fixed when it
+starts. A *session* is that group as this process sees it: the first rpc job starts it (spawning
+role worker processes with this process as client 0, or joining a trainer group's or a launcher's
+group), jobs opened while it runs share it (each job's actors under its own prefix, on the same
+worker processes), and the last job to close ends it: this process's agent stops locally, then the
+workers it started exit. The next job starts a new session. :mod:`.rpc_agent` says why a process
+can be in one group after another.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from typing import Callable
+
+from ..errors import ConfigError
+from . import _rpc_worker as W
+from . import rpc_leave as L
+from .rpc_agent import CPP_ERRORS_ONLY, LOOPBACK_ENV, TransportStartupError, set_cpp_log_level, start_rpc, stop_rpc
+from .transport import TransportClosed
+
+__all__ = ["RpcSession", "open_spawned", "open_joined", "spawn_workers", "exited_during_start_up"]
+
+#: what the fork server imports once, so every worker (spares included) starts with it in shared pages
+PRELOAD = ["torch", "torch.distributed.rpc", "pyarrow.parquet", W.__name__, "torchdata_overlord.runtime.planner_actor",
+           "torchdata_overlord.transforms"]
+FIRST_JOB = "0/"
+
+_LOCK = threading.Lock()                      # held while a session starts, joins, gains or loses a job
+_CURRENT: "RpcSession | None" = None
+
+
+def spawn_workers(members: list[tuple[str, int]], rendezvous: dict, rpc_timeout: float,
+                  start_method: str = "forkserver") -> tuple[list, list]:
+    """Start one role worker process per ``(name, rank)``; each exits when its pipe (the second
+    list) is closed or its parent dies. Workers come from the fork server, which preloads torch."""
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    procs, conns = [], []
+    for name, rank in members:
+        r, w = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=W.worker_main, args=(name, rank, rendezvous["world_size"], rendezvous["init_method"],
+                                                    rpc_timeout, r, rendezvous.get("env", {})),
+                        name=name, daemon=True)
+        p.start()
+        r.close()
+        procs.append(p)
+        conns.append(w)
+    return procs, conns
+
+
+def exited_during_start_up(procs) -> str | None:
+    """Why a start-up cannot succeed: worker processes that exited already (None while all run)."""
+    dead = [f"{p.name} (exit code {p.exitcode})" for p in procs if not p.is_alive()]
+    return f"RPC process(es) {dead} exited during start-up" if dead else None
+
+
+class RpcSession:
+    """One RPC group this process is in (see the module docstring); made by :func:`open_spawned` or
+    :func:`open_joined`, ended by the :meth:`release` of its last job."""
+
+    def __init__(self, rendezvous: dict, client: int, stop_timeout: float, tmp: str | None = None):
+        self.rendezvous, self.id, self.client = rendezvous, rendezvous["session"], client
+        self.n_workers = int(rendezvous["n_workers"])
+        self.clients = int(rendezvous["world_size"]) - self.n_workers
+        self.stop_timeout, self.tmp = stop_timeout, tmp
+        self.procs: list = []                 # the workers this process started (none for a joined group)
+        self.conns: list = []
+        self.jobs: set[str] = set()
+        self.unhealthy = False                # a member died or froze: stop without waiting long
+        self.up = False
+        self._jobs = itertools.count(1)
+        self._quiet_since: int | None = None  # C++ log level before a stopped job turned warnings off
+
+    @property
+    def launched(self) -> bool:
+        return "client_ranks" in self.rendezvous
+
+    def client_rank(self, c: int) -> int:
+        """RPC rank of client ``c``: client 0 is rank 0 and workers 1..n unless the rendezvous says otherwise."""
+        if self.launched:
+            return int(self.rendezvous["client_ranks"][c])
+        return 0 if c == 0 else self.n_workers + c
+
+    def describe(self) -> str:
+        if self.tmp is not None:
+            return f"the RPC group this process started ({self.n_workers} role worker processes, {self.clients} client(s))"
+        if self.launched:
+            return f"the launched job at {self.rendezvous.get('address', '?')} (as its client {self.client})"
+        return f"a trainer group's RPC group (as client {self.client} of {self.clients})"
+
+    # ------------------------------------------------------------------------------ start
+
+    @classmethod
+    def _spawn(cls, n_workers: int, clients: int, startup_timeout: float, rpc_timeout: float, stop_timeout: float,
+               start_method: str, on_rendezvous: Callable[[dict], None] | None) -> "RpcSession":
+        tmp = tempfile.mkdtemp(prefix="overlord-rpc-")
+        rv = {"session": uuid.uuid4().hex, "init_method": f"file://{os.path.join(tmp, 'store')}",
+              "world_size": n_workers + clients, "n_workers": n_workers, "rpc_timeout": rpc_timeout,
+              "env": dict(LOOPBACK_ENV)}
+        s = cls(rv, 0, stop_timeout, tmp)
+        try:
+            os.environ.update(LOOPBACK_ENV)
+            s.procs, s.conns = spawn_workers([(W.worker_name(i), i + 1) for i in range(n_workers)], rv, rpc_timeout,
+                                             start_method)
+            if on_rendezvous is not None:    # the other clients learn how to join (before we wait for them)
+                on_rendezvous(dict(rv, ns=FIRST_JOB))
+            start_rpc(W.client_name(0), 0, rv["world_size"], rv["init_method"], startup_timeout,
+                      abort=lambda: exited_during_start_up(s.procs))
+            s.up = True
+        except BaseException:
+            s._end(fast=True)
+            raise
+        return s
+
+    @classmethod
+    def _join(cls, rendezvous: dict, client: int, startup_timeout: float, stop_timeout: float,
+              abort: Callable[[], str | None]) -> "RpcSession":
+        s = cls(dict(rendezvous), client, stop_timeout)
+        try:
+            os.environ.update(rendezvous.get("env", {}))
+            start_rpc(W.client_name(client), s.client_rank(client), rendezvous["world_size"],
+                      rendezvous["init_method"], startup_timeout, abort)
+            s.up = True
+        except BaseException:
+            s._end(fast=True)
+            raise
+        return s
+
+    # ------------------------------------------------------------------------------ jobs
+
+    def release(self, ns: str, drop: bool) -> None:
+        """Job ``ns`` is closed in this process: forget it (``drop``: and its actors, in every process
+        of the group, while other jobs go on); the last job ends the session."""
+        global _CURRENT
+        with _LOCK:
+            self.jobs.discard(ns)
+            last = not self.jobs
+            if last and _CURRENT is self:
+                _CURRENT = None
+        L.forget_job(ns)
+        if not last:
+            if drop:
+                self._drop(ns)
+            return
+        self._end(fast=self.unhealthy)
+
+    def quiet(self) -> None:
+        """C++ warnings off until the session ends (its job was stopped: its peers are going away)."""
+        if self._quiet_since is None:
+            self._quiet_since = set_cpp_log_level(CPP_ERRORS_ONLY, at_least=True)
+
+    def _drop(self, ns: str) -> None:
+        import torch.distributed.rpc as rpc
+
+        futs = []
+        for i, p in enumerate(self.procs):
+            if p.is_alive():
+                futs.append(rpc.rpc_async(W.worker_name(i), W._drop, args=(ns,), timeout=5))
+        W._drop(ns)
+        for f in futs:
+            try:
+                f.wait()
+            except BaseException:            # noqa: BLE001 - a dead worker holds nothing any more
+                pass
+
+    def _end(self, fast: bool) -> None:
+        """Stop this process's agent (locally), then the workers it started; bounded by ``stop_timeout``."""
+        deadline = time.monotonic() + (2.0 if fast else self.stop_timeout)
+        if self.up:
+            self.up = False
+            stop_rpc(self.stop_timeout)
+        W.forget_actors()
+        L.forget()
+        for c in self.conns:                 # EOF on the pipe: every worker exits
+            try:
+                c.close()
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        if self._quiet_since is not None:
+            set_cpp_log_level(self._quiet_since)
+            self._quiet_since = None
+
+
+def _locked(timeout: float) -> None:
+    if not _LOCK.acquire(timeout=timeout):
+        raise TransportStartupError(f"another rpc loader of this process was still starting after {timeout:g} s")
+
+
+def _conflict(s: RpcSession, wanted: str) -> TransportClosed:
+    return TransportClosed(f"this process is in {s.describe()}, and torch.distributed.rpc runs one group per process: "
+                           f"{wanted} cannot share it. Close the other rpc loader(s) of this process first (or open "
+                           f"both the same way: rpc loaders opened alike share one group)")
+
+
+def open_spawned(n_workers: int, clients: int, startup_timeout: float, rpc_timeout: float, stop_timeout: float,
+                 start_method: str, on_rendezvous: Callable[[dict], None] | None) -> tuple[RpcSession, str]:
+    """A job whose roles this process starts: a new session with ``n_workers`` worker processes, or
+    the one this process already started for ``clients`` clients; (session, the job's prefix)."""
+    global _CURRENT
+    _locked(startup_timeout)
+    try:
+        s = _CURRENT
+        if s is None:
+            s = RpcSession._spawn(n_workers, clients, startup_timeout, rpc_timeout, stop_timeout, start_method,
+                                  on_rendezvous)
+            ns, _CURRENT = FIRST_JOB, s
+        elif s.tmp is None or s.clients != clients:
+            raise _conflict(s, f"a loader starting its own roles for {clients} client(s)")
+        else:
+            ns = f"{next(s._jobs)}/"
+            if on_rendezvous is not None:
+                on_rendezvous(dict(s.rendezvous, ns=ns))
+        s.jobs.add(ns)
+        return s, ns
+    finally:
+        _LOCK.release()
+
+
+def open_joined(rendezvous: dict, client: int, startup_timeout: float, stop_timeout: float,
+                abort: Callable[[], str | None] = lambda: None) -> tuple[RpcSession, str]:
+    """A job another process started (trainer rank 0, or the launcher): join its group as client
+    ``client``, or share it if this process is in that group already; (session, the job's prefix)."""
+    global _CURRENT
+    ns = rendezvous.get("ns", "")
+    _locked(startup_timeout)
+    try:
+        s = _CURRENT
+        if s is None:
+            s = _CURRENT = RpcSession._join(rendezvous, client, startup_timeout, stop_timeout, abort)
+        elif s.id != rendezvous.get("session") or s.client != client:
+            raise _conflict(s, "a loader joining another group" if s.id != rendezvous.get("session") else
+                            f"a loader joining it as client {client}")
+        if ns in s.jobs:
+            raise ConfigError(f"this process is already client {client} of that job ({s.describe()}); a launched job "
+                              f"serves one loader per trainer process")
+        s.jobs.add(ns)
+        return s, ns
+    finally:
+        _LOCK.release()
+
+
+@atexit.register
+def _end_at_exit() -> None:
+    """A session still up when the interpreter exits ends first (no RPC thread may outlive Python)."""
+    s = _CURRENT
+    if s is not None:
+        for ns in list(s.jobs):
+            s.release(ns, drop=False)
