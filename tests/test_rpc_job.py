@@ -1,9 +1,9 @@
 """RpcJob (roles as actors in RPC worker processes) delivers exactly LocalJob's stream.
 
-torch.distributed.rpc can be initialised once per process, so each RpcJob runs in a fresh
-``python -c`` subprocess that writes its outputs with ``torch.save``; this process compares them
-with a LocalJob run here. The strategy and mesh live at module level so the workers can unpickle
-them (the subprocess puts this directory on ``sys.path`` before the fork server starts).
+Each RpcJob runs in a fresh ``python -c`` subprocess (its own RPC group, roles and fork server,
+nothing shared with the test process) that writes its outputs with ``torch.save``; this process
+compares them with a LocalJob run here. The strategy and mesh live at module level so the workers
+can unpickle them (the subprocess puts this directory on ``sys.path`` before the fork server starts).
 """
 
 from __future__ import annotations

@@ -150,8 +150,7 @@ class RpcSession:
                 _CURRENT = None
         L.forget_job(ns)
         if not last:
-            if drop:
-                self._drop(ns)
+            self._drop(ns, everywhere=drop)
             return
         self._end(fast=self.unhealthy)
 
@@ -160,11 +159,12 @@ class RpcSession:
         if self._quiet_since is None:
             self._quiet_since = set_cpp_log_level(CPP_ERRORS_ONLY, at_least=True)
 
-    def _drop(self, ns: str) -> None:
+    def _drop(self, ns: str, everywhere: bool) -> None:
+        """Forget job ``ns``'s actors and call counters here, and with ``everywhere`` in the workers too."""
         import torch.distributed.rpc as rpc
 
         futs = []
-        for i, p in enumerate(self.procs):
+        for i, p in enumerate(self.procs if everywhere else []):
             if p.is_alive():
                 futs.append(rpc.rpc_async(W.worker_name(i), W._drop, args=(ns,), timeout=5))
         W._drop(ns)
