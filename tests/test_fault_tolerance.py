@@ -139,7 +139,9 @@ def test_random_roles_killed_at_random_steps_in_process(corpus, tmp_path):
     """The same recovery logic on the in-process transport, randomised: several kills per run."""
     from test_rpc_job import job_kwargs, make_mesh, make_sources, vlm_strategy
 
-    rng = random.Random()
+    seed = random.randrange(2**32)
+    print(f"seed {seed}")                           # a failure is replayed with random.Random(seed)
+    rng = random.Random(seed)
     steps = 14
     ref = LocalJob(make_sources(corpus), vlm_strategy, make_mesh(), **job_kwargs(corpus))
     expected = [ref.step().outputs for _ in range(steps)]
@@ -154,8 +156,9 @@ def test_random_roles_killed_at_random_steps_in_process(corpus, tmp_path):
                      checkpoint_dir=str(tmp_path / f"ckpt{trial}"), snapshot_every=3, timeout=10, **job_kwargs(corpus))
         try:
             for k in range(steps):
-                if k in plan:
-                    faults.kill_roles(job, plan[k])
+                if k in plan:                   # a shadow whose successor is still starting serves no one: skip it
+                    serving = [r for r in plan[k] if r != "shadow:web" or job.stats()["roles"].get(r) is not None]
+                    faults.kill_roles(job, serving)
                 assert_identical(job.step().outputs, expected[k])
         finally:
             job.close()
