@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,15 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return build_demo_corpus(tmp_path_factory.mktemp("corpus"), scale="test", seed=0)
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_behind():
+    """A killed role's threads (transform pools, build threads) end with the job, as a dead process's do."""
+    before = set(threading.enumerate())
+    yield
+    left = [t.name for t in threading.enumerate() if t not in before and t.name.startswith("overlord-") and t.is_alive()]
+    assert not left, f"threads left behind: {left}"
 
 
 _REFERENCE: dict = {}

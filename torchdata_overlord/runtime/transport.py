@@ -242,6 +242,8 @@ class _ActorThread:
             item = self.queue.get()
             if item is self._STOP:
                 self._fail_queued()
+                if self.killed:
+                    self._release()
                 return
             with self.running:
                 self.execute(*item)
@@ -266,6 +268,16 @@ class _ActorThread:
                 result.add_done_callback(lambda f, fut=fut, m=method: _forward(f, fut, self.name, m))
             else:
                 settle(fut, result)
+
+    def _release(self) -> None:
+        """A killed actor frees what its object holds (thread pools, files), as a dead process would:
+        nobody calls its ``close()`` otherwise, and its threads would outlive the job."""
+        close = getattr(self.obj, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:            # noqa: BLE001 - the actor is dead; its clean-up is best effort
+                pass
 
     def _fail_queued(self) -> None:
         while True:
