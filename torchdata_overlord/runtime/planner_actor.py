@@ -58,6 +58,7 @@ class PlannerActor(RoleActor):
         self.attaches: dict[int, int] = collections.defaultdict(int)
         self.attach_waiting: list[tuple[int, int, int, cf.Future]] = []
         self.planned_steps = 0
+        self.ahead: tuple[int, int, dict] | None = None   # (gen, step, {source: (loader, metadata future)})
         self.recovery = Recovery(self, policy or FaultPolicy())
 
     @property
@@ -124,7 +125,7 @@ class PlannerActor(RoleActor):
         r.adopt_shadows()
         step, gen, seen = self.step, self.gen, len(r.events)
         try:
-            metas = r.each_loader(lambda ref, s: ref.metadata(), step)
+            metas = r.each_loader(lambda ref, s: ref.metadata(), step, issued=self._asked_ahead(step))
             if self.gen != gen:
                 return
 
@@ -157,6 +158,7 @@ class PlannerActor(RoleActor):
                 if self.gen != gen:
                     return
                 r.loader_state = dict(states)
+                self._ask_ahead(step + 1)
                 state = JobState.make(self.planner.state_dict(), states, self.feedback)
                 self.versions[step + 1] = state
                 r.checkpoint(step + 1, state, routes.sampled)
@@ -177,6 +179,20 @@ class PlannerActor(RoleActor):
         self._release()
         for s in self.sources:
             r.follow(s, step + 1)
+
+    def _ask_ahead(self, step: int) -> None:
+        """Ask every loader for step ``step``'s metadata now, right after its delivery: it refills its
+        buffer (reads and transforms) while the step is committed and built, not when the step is
+        planned. A loader runs its calls in order, so the answer is what asking later would give."""
+        r = self.recovery
+        self.ahead = (self.gen, step, {s: (r.active[s], r.loader_ref(r.active[s]).metadata(ahead=True)) for s in self.sources})
+
+    def _asked_ahead(self, step: int) -> dict:
+        """The metadata asked ahead for ``step``, from loaders still active in this generation."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None or ahead[:2] != (self.gen, step):
+            return {}
+        return {s: fut for s, (name, fut) in ahead[2].items() if self.recovery.active[s] == name}
 
     def _release(self) -> None:
         below = min(self.consumed.get(c, self.released) for c in range(self.clients))

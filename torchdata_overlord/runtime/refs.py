@@ -68,8 +68,9 @@ class LoaderRef(ActorRef):
     def warm(self, timeout=None):
         return self._call("warm", timeout=timeout)
 
-    def metadata(self, timeout=None):
-        return self._now("metadata", timeout=timeout)
+    def metadata(self, timeout=None, ahead=False):
+        """``ahead``: asked before it is needed (on the loader's own thread, even in one process)."""
+        return self._call("metadata", timeout=timeout) if ahead else self._now("metadata", timeout=timeout)
 
     def deliver(self, gen, step, indices, routes, where, timeout=None):
         return self._now("deliver", gen, step, indices, routes, where, timeout=timeout)
