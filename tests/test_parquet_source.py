@@ -6,7 +6,6 @@ expected sample key of a record is read from the data itself, not computed by th
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import random

@@ -14,7 +14,8 @@ import time
 
 from ..errors import OverlordError
 from .planner_actor import PlannerActor
-from .recovery import FAILURES, PLANNER_KEY, RoleLost
+from .fault_policy import FAILURES, RoleLost
+from .recovery_store import PLANNER_KEY
 from .refs import PLANNER, REGISTRY, PlannerRef, RegistryRef
 from .spares import serving, spare_order
 from .step import JobReset

@@ -18,7 +18,7 @@ from .constructor_actor import ConstructorActor
 from .loadable import check_loadable
 from .loader_actor import LoaderActor
 from .planner_actor import PlannerActor
-from .recovery import FaultPolicy
+from .fault_policy import FaultPolicy
 from .refs import PLANNER, LoaderRef, constructor_actor, loader_actor, role_names, shadow_actor
 from .transport import ActorDied, CallTimeout, Transport
 

@@ -26,7 +26,8 @@ from ..plane.place_tree import ClientPlaceTree
 from ..plane.plan import Plan
 from ..roles.planner import Planner
 from .feedback import FeedbackLog
-from .recovery import FAILURES, FaultPolicy, Recovery, RoleLost
+from .fault_policy import FAILURES, FaultPolicy, RoleLost
+from .recovery import Recovery
 from .refs import PLANNER
 from .role import RoleActor, fail_all, gather
 from .step import JobClosed, JobReset, JobState, plan_step, route
@@ -76,7 +77,7 @@ class PlannerActor(RoleActor):
                 self.new_generation(state)
             elif not self.versions:
                 self.versions[self.step] = self._current_state()
-                self.recovery.checkpoint_reset(self.step, self.versions[self.step])
+                self.recovery.checkpoints.reset(self.step, self.versions[self.step])
             self.leader_starts.append((self.gen, self.step))
             for item in list(self.attach_waiting):
                 if item[1] <= len(self.leader_starts):
@@ -122,7 +123,7 @@ class PlannerActor(RoleActor):
     # -- one step ---------------------------------------------------------------------------------
     def _plan_one(self) -> None:
         r = self.recovery
-        r.adopt_shadows()
+        r.shadows.adopt()
         step, gen, seen = self.step, self.gen, len(r.events)
         try:
             metas = r.each_loader(lambda ref, s: ref.metadata(), step, issued=self._asked_ahead(step))
@@ -161,7 +162,7 @@ class PlannerActor(RoleActor):
                 self._ask_ahead(step + 1)
                 state = JobState.make(self.planner.state_dict(), states, self.feedback)
                 self.versions[step + 1] = state
-                r.checkpoint(step + 1, state, routes.sampled)
+                r.checkpoints.checkpoint(step + 1, state, routes.sampled)
                 delayed = len(r.events) > seen
                 heard = gather({c: r.constructor_ref(names[c]).commit(gen, step, state, delayed)
                                 for c in range(self.n)}, self.timeout)
@@ -178,7 +179,7 @@ class PlannerActor(RoleActor):
                 self.consumed[int(client)] = max(self.consumed.get(int(client), 0), int(n))
         self._release()
         for s in self.sources:
-            r.follow(s, step + 1)
+            r.shadows.follow(s, step + 1)
 
     def _ask_ahead(self, step: int) -> None:
         """Ask every loader for step ``step``'s metadata now, right after its delivery: it refills its
@@ -224,12 +225,12 @@ class PlannerActor(RoleActor):
         r.loader_state = {s: dict(state[JobState.LOADERS][s]) for s in self.sources}
         v = self.step
         self.versions = {v: JobState.make(self.planner.state_dict(), r.loader_state, self.feedback)}
-        r.checkpoint_reset(v, self.versions[v])
+        r.checkpoints.reset(v, self.versions[v])
         r.each_loader(lambda ref, s: ref.new_generation(self.gen, r.loader_state[s]), v, rejoin=True)
         where = dict(r.where, **({self.name: r.home} if r.home else {}))    # a replacement Planner's home
         r.each_constructor(lambda ref: ref.new_generation(self.gen, self.name, where), v)
         for s in self.sources:
-            r.follow(s, v)
+            r.shadows.follow(s, v)
 
     def rewind(self, to: int) -> None:
         """Back to the state after step ``to - 1`` (kept since every client consumed it)."""

@@ -1,4 +1,7 @@
-"""Keeping the stream going when roles fail (paper section 6.1): failover, shadows, spares, restore, checkpoints.
+"""Keeping the stream going when roles fail (paper section 6.1): who serves each role, and replacing
+the ones that fail. Its parts: :mod:`.shadows` (idle twins of the loaders), :mod:`.recovery_store`
+(the checkpoints and the differential restore), :mod:`.spares` (where a replacement starts) and
+:mod:`.fault_policy` (the policy, and :class:`~.fault_policy.RoleLost`).
 
 Held by the Planner actor, which it reaches only through its generation, step, ``released``
 position, :meth:`~.planner_actor.PlannerActor.rewind` and :meth:`~.planner_actor.PlannerActor.new_generation`:
@@ -27,46 +30,20 @@ import collections
 import concurrent.futures as cf
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from ..errors import ConfigError, OverlordError
 from .constructor_actor import ConstructorActor
+from .fault_policy import FAILURES, FaultPolicy, RoleLost
 from .loader_actor import LoaderActor
+from .recovery_store import PLANNER_KEY, RecoveryStore
 from .refs import ConstructorRef, LoaderRef, constructor_actor, loader_actor, shadow_actor
+from .shadows import Shadows
 from .spares import serving, spare_order
 from .step import JobState
-from .transport import ActorDied, CallTimeout
 
-__all__ = ["Recovery", "FaultPolicy", "RoleLost", "FAILURES", "PLANNER_KEY"]
+__all__ = ["Recovery"]
 
 log = logging.getLogger("torchdata_overlord")
-PLANNER_KEY = "planner"                 # the Planner's checkpoints in the store
-FAILURES = (ActorDied, CallTimeout)
-
-
-class RoleLost(OverlordError, RuntimeError):
-    """A role failed and nothing could replace it (no live shadow, no spare process)."""
-
-
-@dataclass
-class FaultPolicy:
-    """How the Planner keeps the stream going: the checkpoint store (None: no checkpoints, no
-    restore after a Planner failure), loader snapshot interval, shadows, and the spare workers
-    where replacements start (RPC worker names; in one process any name works)."""
-
-    store: object = None
-    snapshot_every: int = 10
-    shadows: bool = False
-    spares: list = field(default_factory=list)
-    loader_args: dict = field(default_factory=dict)     # source -> LoaderActor args before ``peers``
-    constructor_args: tuple = ()                        # ConstructorActor args after ``index``, before ``peers``
-    build_thread: bool = True                           # constructors build on a thread of their own (rpc)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.snapshot_every, bool) or not isinstance(self.snapshot_every, int) or self.snapshot_every < 1:
-            raise ConfigError(f"snapshot_every must be an integer >= 1 (steps between loader snapshots), got "
-                              f"{self.snapshot_every!r}")
 
 
 class Recovery:
@@ -85,10 +62,8 @@ class Recovery:
         self.replaced: dict[str, int] = collections.defaultdict(int)   # role ("loader:web") -> replacements
         self.home: str | None = None                   # the Planner's worker when it is a replacement on a spare
         self.dead_spares: set[str] = set()
-        self.starting: dict[str, tuple] = {}          # source -> (shadow name, worker, future) being started
-        self.shadow_died: set[tuple[str, str]] = set()  # (source, shadow) whose follow() found it dead
-        self.shadowless: set[str] = set()              # sources warned about: no spare can host their shadow
         self.events: list[dict] = []                   # failures handled: what, role, step, seconds, how
+        self.shadows, self.checkpoints = Shadows(self), RecoveryStore(self)
 
     def loader_ref(self, name: str) -> LoaderRef:
         return LoaderRef(self.peers, name, self.timeout)
@@ -154,7 +129,7 @@ class Recovery:
                        f"{sorted(self.dead_spares)}, not beside {sorted(a for a in avoid if a)}); start the job with "
                        f"more spares")
 
-    def _new_name(self, base: str) -> str:
+    def new_name(self, base: str) -> str:
         self.renames += 1
         return f"{base}#{self.renames}"
 
@@ -172,7 +147,7 @@ class Recovery:
             except FAILURES:
                 self.shadow[source] = None
         if how is None:
-            name = self._new_name(loader_actor(source))
+            name = self.new_name(loader_actor(source))
             try:
                 self._start_loader(name, source)
                 # ``state`` is the one after the last completed step (``step`` steps planned): during a
@@ -184,22 +159,22 @@ class Recovery:
             self.active[source], how = name, f"restored on a spare process ({restored})"
         self.replaced[loader_actor(source)] += 1
         self._event("loader", old, step, t0, how, err)
-        self._ensure_shadow(source)
+        self.shadows.ensure(source)
 
     def _start_loader(self, name: str, source: str) -> None:
         """A new primary for ``source`` on a spare, never on its shadow's process."""
         shadow = self.shadow.get(source)
-        avoid = (self.where.get(shadow) if shadow else None, self.starting.get(source, (None, None, None))[1])
-        self._spawn_on_spare(name, LoaderActor, self._loader_args(source), avoid)
+        avoid = (self.where.get(shadow) if shadow else None, self.shadows.starting.get(source, (None, None, None))[1])
+        self._spawn_on_spare(name, LoaderActor, self.loader_args(source), avoid)
 
-    def _loader_args(self, source: str) -> tuple:
+    def loader_args(self, source: str) -> tuple:
         return (*self.policy.loader_args[source], self.peers, self.store, self.policy.snapshot_every)
 
     def _restore_loader(self, name: str, source: str, version: int, state: dict | None) -> str:
         """Bring loader ``name`` to ``source``'s state at ``version`` (steps planned): from its last
         snapshot plus the consumption log in the store, else from the state kept in memory."""
         if self.store is not None:
-            got = self._differential(source, version)
+            got = self.checkpoints.differential(source, version)
             if got is not None:
                 snap_version, snapshot, consumed = got
                 self.loader_ref(name).restore(self.job.gen, snapshot, consumed).result(self.timeout * 4)
@@ -209,76 +184,9 @@ class Recovery:
         self.loader_ref(name).promote(self.job.gen, state).result(self.timeout + 5)
         return "state kept by the Planner"
 
-    def _differential(self, source: str, version: int) -> tuple[int, dict, list] | None:
-        """(snapshot version, snapshot, per-step consumption since) from the store, or None."""
-        snap = self.store.latest(f"loader/{source}", at_most=version)
-        if snap is None:
-            return None
-        consumed = []
-        for v in range(snap[0] + 1, version + 1):
-            try:
-                ck = self.store.get(PLANNER_KEY, v)
-            except (FileNotFoundError, OverlordError) as e:
-                raise RoleLost(f"source {source!r}: the consumption log of step {v - 1} is missing or corrupt "
-                               f"({e}); cannot replay from the snapshot of step {snap[0]}") from e
-            consumed.append(ck["consumed"].get(source, []))
-        return snap[0], snap[1], consumed
-
-    def _ensure_shadow(self, source: str) -> None:
-        """Start a new shadow for ``source`` on the least-loaded live spare that does not host its
-        primary, without waiting (it is adopted once it exists)."""
-        if not self.policy.shadows or self.shadow.get(source) is not None or source in self.starting:
-            return
-        order = spare_order(self.policy.spares, serving(self.checkpointed_roles()), self.dead_spares,
-                            [self.where.get(self.active[source])])
-        if not order:
-            if source not in self.shadowless:
-                self.shadowless.add(source)
-                log.warning("source %r runs without a shadow: no live spare process except its primary's (a "
-                            "failure restores it from the checkpoint instead)", source)
-            return
-        name = self._new_name(shadow_actor(source))
-        self.starting[source] = (name, order[0], self.peers.spawn_async(name, LoaderActor, self._loader_args(source),
-                                                                        order[0]))
-
-    def adopt_shadows(self) -> None:
-        """Keep a shadow for every source: forget shadows found dead, adopt those started earlier that
-        now exist, start new ones where a source has none (after any recovery)."""
-        for source, name in list(self.shadow_died):
-            self.shadow_died.discard((source, name))
-            if self.shadow.get(source) == name:
-                log.warning("source %r: its shadow %r died; starting a new one", source, name)
-                self.shadow[source] = None
-        for source, (name, worker, fut) in list(self.starting.items()):
-            if not fut.done():
-                continue
-            del self.starting[source]
-            if fut.exception() is not None:
-                if isinstance(fut.exception(), FAILURES):
-                    self.dead_spares.add(worker)
-                log.warning("source %r: its new shadow did not start (%s); trying again", source, fut.exception())
-                continue
-            self.where[name] = worker
-            self.shadow[source] = name
-            self.replaced[shadow_actor(source)] += 1
-            self.follow(source, self.job.step)
-        for source in self.sources:
-            self._ensure_shadow(source)
-
-    def follow(self, source: str, version: int) -> None:
-        """Tell ``source``'s shadow the primary's state at ``version`` (fire and forget: a dead shadow
-        is noticed here and replaced at the next step; a frozen one on promote)."""
-        shadow = self.shadow.get(source)
-        if shadow is not None and source in self.loader_state:
-            def died(f: cf.Future) -> None:
-                if isinstance(f.exception(), ActorDied):
-                    self.shadow_died.add((source, shadow))
-
-            self.loader_ref(shadow).follow(version, self.loader_state[source]).add_done_callback(died)
-
     # -- Data Constructors ----------------------------------------------------------------------------
     def _start_constructor(self, c: int, step: int, err: BaseException) -> str:
-        name = self._new_name(constructor_actor(c))
+        name = self.new_name(constructor_actor(c))
         try:
             self._spawn_on_spare(name, ConstructorActor, (c, *self.policy.constructor_args, self.peers, self.timeout,
                                                           self.store, self.policy.build_thread))
@@ -334,13 +242,13 @@ class Recovery:
         self.peers.learn(dict(self.where))
         loaders = {}
         for s in self.sources:
-            snap = self._differential(s, version)
+            snap = self.checkpoints.differential(s, version)
             if snap is None:
                 raise RoleLost(f"source {s!r}: no snapshot at or before step {version} to restore from")
             try:
                 loaders[s] = self.loader_ref(self.active[s]).restore(job.gen, snap[1], snap[2]).result(self.timeout * 4)
             except FAILURES as e:         # it failed too: a new one on a spare
-                t1, old, name = time.perf_counter(), self.active[s], self._new_name(loader_actor(s))
+                t1, old, name = time.perf_counter(), self.active[s], self.new_name(loader_actor(s))
                 self._start_loader(name, s)
                 loaders[s] = self.loader_ref(name).restore(job.gen, snap[1], snap[2]).result(self.timeout * 4)
                 self.active[s] = name
@@ -349,38 +257,13 @@ class Recovery:
         job.new_generation({JobState.PLANNER: ck["planner"], JobState.LOADERS: loaders, JobState.FEEDBACK: ck["feedback"]})
         self._event("planner", PLANNER_KEY, version, t0, f"restored from the checkpoint of step {version}", None)
 
-    # -- checkpoints ----------------------------------------------------------------------------------
+    # -- who serves where ----------------------------------------------------------------------------------
     def checkpointed_roles(self) -> dict:
         """Who serves where (checkpointed: a replacement Planner continues from it)."""
         return {"active": dict(self.active), "shadow": dict(self.shadow), "constructors": list(self.constructor_names),
                 "where": dict(self.where), "renames": self.renames, "dead_spares": sorted(self.dead_spares),
                 "replaced": dict(self.replaced), "home": self.home,
-                "starting": {name: worker for name, worker, _ in self.starting.values()}}
-
-    def checkpoint(self, version: int, state: dict, consumed: Mapping[str, list]) -> None:
-        if self.store is None:
-            return
-        self.store.put(PLANNER_KEY, version, {"planner": state[JobState.PLANNER], "feedback": state[JobState.FEEDBACK],
-                                              "consumed": {s: list(consumed.get(s, [])) for s in self.sources},
-                                              "released": self.job.released, "gen": self.job.gen,
-                                              "roles": self.checkpointed_roles()})
-        # keep the two newest snapshots of each loader (a corrupt newest falls back to the one before)
-        # and every Planner checkpoint since the older one: the consumption log a replay needs
-        oldest = self.job.released
-        for s in self.sources:
-            self.store.gc(f"loader/{s}", keep=2)
-            oldest = min([oldest] + self.store.steps(f"loader/{s}")[:1])
-        self.store.gc(PLANNER_KEY, keep=1, keep_from=oldest)
-
-    def checkpoint_reset(self, version: int, state: dict) -> None:
-        """A new line of history starts at ``version``: drop what came after it, snapshot everyone."""
-        if self.store is None:
-            return
-        self.store.discard(PLANNER_KEY, version + 1)
-        for s in self.sources:
-            self.store.discard(f"loader/{s}", version + 1)
-            self.store.put(f"loader/{s}", version, state[JobState.LOADERS][s])
-        self.checkpoint(version, state, {})
+                "starting": {name: worker for name, worker, _ in self.shadows.starting.values()}}
 
     def _event(self, kind: str, role: str, step: int, t0: float, how: str, err: BaseException | None) -> None:
         ev = {"kind": kind, "role": role, "step": int(step), "seconds": round(time.perf_counter() - t0, 4),

@@ -35,7 +35,7 @@ from ..plane.place_tree import ClientPlaceTree
 from .client import Job, StepResult
 from .client_recovery import JobStopped
 from .job_config import RoleConfig, SourceSpec, start_roles
-from .recovery import RoleLost
+from .fault_policy import RoleLost
 from .transport import Transport
 
 __all__ = ["RpcJob", "SourceSpec", "RoleConfig", "start_roles", "JobStopped", "RoleLost", "StepResult"]
