@@ -416,7 +416,9 @@ def role_objects(job: LocalJob) -> tuple:
 def instrument(job: LocalJob, rec: Recorder, fine: bool) -> None:
     """Wrap the roles' methods (instance attributes only; the library is not modified). In one
     process the Planner's thread runs each step: the loaders' metadata, the plan, then the dispatch
-    (deliveries to the constructor, which builds the step on that thread, and the commit)."""
+    (deliveries to the constructor, which builds the step on that thread, and the commit). The
+    ``fine`` (serial) pass also turns off the Planner's asking ahead, so that the loaders refill on
+    the Planner's thread at plan time, not on their own threads, and the timers add up to the wall time."""
     planner, loaders, constructors = role_objects(job)
     planner._plan_one = rec.wrap("step", planner._plan_one)
     for l in loaders:
@@ -424,6 +426,7 @@ def instrument(job: LocalJob, rec: Recorder, fine: bool) -> None:
     if not fine:
         return
     planner.planner.plan = rec.wrap("plan", planner.planner.plan)
+    planner._ask_ahead = lambda step: None      # serial: each step's metadata asked when it is planned
     planner._dispatch = rec.wrap("dispatch", planner._dispatch)
     for c in constructors:
         c.build = rec.wrap("build", c.build)
