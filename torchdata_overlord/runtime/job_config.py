@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 
 from ..errors import ConfigError
 from ..plane.place_tree import ClientPlaceTree
+from ..sources.base import Source
 from ..sources.parquet import ParquetSource
 from .checkpoint_store import CheckpointStore
 from .constructor_actor import ConstructorActor
@@ -64,39 +65,35 @@ class LiveSource:
 
 @dataclass
 class SourceSpec:
-    """How to rebuild a ParquetSource in another process: its constructor arguments and position.
-
-    ``from_source`` reads a ParquetSource's public attributes: for local files, ``paths`` are its
-    resolved :attr:`~ParquetSource.files` (the worker reads exactly the same files in the same
-    order); for URIs or a ``filesystem=`` (pyarrow filesystems pickle), the paths as given, which the
-    worker resolves again; the state's file fingerprint then refuses a file set that changed.
+    """How to build a source again in another process: ``cls(name, paths, transform, **kwargs)``,
+    then its ``state``. ``from_source`` takes these from any :class:`~torchdata_overlord.Source`'s
+    ``spec_args()`` (``paths``: a file source's resolved files, a :class:`~torchdata_overlord.NodeSource`'s
+    node factory); a name alone (``paths=None``) only names the source (enough for a client joining
+    a launched job, whose roles were built from the launcher's config). ``cls=None``: ParquetSource.
     """
 
     name: str
     paths: Any
     transform: Callable | None = None
     kwargs: dict = field(default_factory=dict)     # columns, shuffle, seed, epochs, on_error, ...
-    state: dict | None = None                      # ParquetSource.state_dict() to start from
+    state: dict | None = None                      # the source's state_dict() to start from
+    cls: type | None = None
 
     @classmethod
     def from_source(cls, src) -> "SourceSpec":
-        """A ParquetSource's spec; a spec as is; a name (str) only names the source (enough for a
-        client joining a launched job, whose roles were built from the launcher's config)."""
+        """A source's spec; a spec as is; a name (str) only names the source."""
         if isinstance(src, SourceSpec):
             return src
         if isinstance(src, str):
             return cls(src, None)
-        if not isinstance(src, ParquetSource):
-            raise ConfigError(f"RpcJob sources must be ParquetSource or SourceSpec, got {type(src).__name__}")
-        kwargs = dict(columns=src.columns, shuffle=src.shuffle, seed=src.seed, epochs=src.epochs,
-                      on_error=src.on_error, skip_log_interval=src.skip_log_interval)
-        paths = list(src.files)
-        if src.filesystem is not None or any("://" in f for f in src.files):
-            paths, kwargs["filesystem"] = src.paths, src.filesystem
-        return cls(src.name, paths, src.transform, kwargs, src.state_dict())
+        if not isinstance(src, Source):
+            raise ConfigError(f"a source must be a Source (ParquetSource, FileSource, NodeSource, or one with "
+                              f"the Source protocol's members) or a SourceSpec, got {type(src).__name__}")
+        paths, transform, kwargs = src.spec_args()
+        return cls(src.name, paths, transform, dict(kwargs), src.state_dict(), type(src))
 
-    def build(self) -> ParquetSource:
-        src = ParquetSource(self.name, self.paths, self.transform, **self.kwargs)
+    def build(self):
+        src = (self.cls or ParquetSource)(self.name, self.paths, self.transform, **self.kwargs)
         if self.state is not None:
             src.load_state_dict(self.state)
         return src
@@ -147,6 +144,8 @@ class RoleConfig:
         for spec in [] if self.in_process else self.specs:
             if spec.transform is not None:
                 check_loadable(spec.transform, f"the transform of source {spec.name!r}")
+            if callable(spec.paths):
+                check_loadable(spec.paths, f"the node factory of source {spec.name!r}")
 
     @property
     def names(self) -> list[str]:
