@@ -46,6 +46,27 @@ def parquet_source(corpus, request):
     return ResumeCase.for_stateful(lambda: _source(corpus), n=rows + 6, boundaries=[rows])
 
 
+def _jsonl_glob(request, fmt):
+    from test_sources import write
+    return write(request.getfixturevalue("tmp_path_factory").mktemp(fmt), fmt)
+
+
+def file_source(fmt):
+    """FileSource over real JSON Lines / Arrow IPC files; the second epoch starts at item ``num_rows``."""
+    def build(corpus, request):
+        glob = _jsonl_glob(request, fmt)
+        make = lambda: ol.FileSource("t", glob, seed=4)      # noqa: E731
+        rows = make().num_rows
+        return ResumeCase.for_stateful(make, n=rows + 6, boundaries=[rows])
+    return build
+
+
+def node_source(corpus, request):
+    """NodeSource over a user's BaseNode (its own state) that ends after 50 items."""
+    from test_sources import counter
+    return ResumeCase.for_stateful(lambda: ol.NodeSource("n", counter), n=50, boundaries=[25])
+
+
 # -- Source Loader ------------------------------------------------------------------------------
 
 def source_loader_stream(corpus, request):
@@ -53,6 +74,15 @@ def source_loader_stream(corpus, request):
     rows = _rows(corpus)
     return ResumeCase.for_node(lambda: SourceLoader(_source(corpus), buffer_size=7, workers=2), n=rows + 6,
                                boundaries=[rows])
+
+
+def source_loader_files(corpus, request):
+    """The BaseNode stream over a FileSource (Arrow IPC files, tokenized text), over a worker pool."""
+    glob = _jsonl_glob(request, "arrow")
+    tok = Tokenize(corpus.spm_model, field="text")
+    rows = ol.FileSource("t", glob).num_rows
+    return ResumeCase.for_node(lambda: SourceLoader(ol.FileSource("t", glob, tok, seed=2), buffer_size=5, workers=2),
+                               n=rows + 6, boundaries=[rows])
 
 
 def _take_longest(loader, k):
@@ -217,6 +247,10 @@ def test_resume_contract_rpc_runtime(corpus, tmp_path):
 
 CASES = {
     "ParquetSource": parquet_source,
+    "FileSource.jsonl": file_source("jsonl"),
+    "FileSource.arrow": file_source("arrow"),
+    "NodeSource": node_source,
+    "SourceLoader.next over FileSource": source_loader_files,
     "SourceLoader.next": source_loader_stream,
     "SourceLoader.take": source_loader_takes,
     "Planner": planner,
