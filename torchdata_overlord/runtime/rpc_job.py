@@ -19,7 +19,8 @@ Where the processes come from:
   InProcessTransport` runs the same code in this process, for tests and debugging).
 
 Every call carries ``timeout`` seconds. Sources are rebuilt inside the workers from a
-:class:`SourceSpec` (a used ParquetSource holds open Arrow files and does not pickle); the strategy,
+:class:`SourceSpec` (a source's class, constructor arguments and state: a used source holds open files
+and need not pickle); the strategy,
 transforms and mesh must pickle (a strategy defined at module level does, a closure or lambda does not),
 and be loadable in the role processes (checked before any starts: see :mod:`.loadable`).
 Several RpcJobs may run in one process: those opened while another runs share its RPC group and
