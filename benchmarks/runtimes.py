@@ -350,8 +350,8 @@ def main(argv=None) -> int:
         print(f"  {kind}: {'failed' if kind in errors else 'done'} in {time.perf_counter() - t0:.1f} s", flush=True)
 
     steprate = {}
-    for kind in ("steprate-local", "steprate-rpc"):       # interleaved twice: the machine is shared and noisy
-        for _ in range(1 if args.quick else 2):
+    for _ in range(1 if args.quick else 2):                # interleaved twice: the machine is shared and noisy
+        for kind in ("steprate-local", "steprate-rpc"):
             try:
                 steprate.setdefault(kind.split("-", 1)[1], []).append(spawn(kind, a, timeout=280 if args.quick else 600))
             except Exception as e:  # noqa: BLE001 (recorded; the exit status says a run failed)
