@@ -13,8 +13,8 @@ import threading
 import time
 
 from ..errors import OverlordError
-from .planner_actor import PlannerActor
 from .fault_policy import FAILURES, RoleLost
+from .planner_actor import PlannerActor
 from .recovery_store import PLANNER_KEY
 from .refs import PLANNER, REGISTRY, PlannerRef, RegistryRef
 from .spares import serving, spare_order

@@ -35,3 +35,11 @@ class FaultPolicy:
         if isinstance(self.snapshot_every, bool) or not isinstance(self.snapshot_every, int) or self.snapshot_every < 1:
             raise ConfigError(f"snapshot_every must be an integer >= 1 (steps between loader snapshots), got "
                               f"{self.snapshot_every!r}")
+
+    def loader_actor_args(self, source: str, peers) -> tuple:
+        """The :class:`~.loader_actor.LoaderActor` arguments of a replacement (or shadow) for ``source``."""
+        return (*self.loader_args[source], peers, self.store, self.snapshot_every)
+
+    def constructor_actor_args(self, c: int, peers, timeout: float) -> tuple:
+        """The :class:`~.constructor_actor.ConstructorActor` arguments of a replacement constructor ``c``."""
+        return (c, *self.constructor_args, peers, timeout, self.store, self.build_thread)

@@ -25,15 +25,15 @@ from ..errors import ConfigError
 from ..plane.place_tree import ClientPlaceTree
 from ..plane.plan import Plan
 from ..roles.planner import Planner
-from .feedback import FeedbackLog
 from .fault_policy import FAILURES, FaultPolicy, RoleLost
+from .feedback import FeedbackLog
 from .recovery import Recovery
 from .refs import PLANNER
 from .role import RoleActor, fail_all, gather
 from .step import JobClosed, JobReset, JobState, plan_step, route
 from .transport import settle
 
-__all__ = ["PlannerActor", "FaultPolicy", "RoleLost"]
+__all__ = ["PlannerActor"]
 
 log = logging.getLogger("torchdata_overlord")
 
@@ -104,7 +104,7 @@ class PlannerActor(RoleActor):
     def generation(self) -> dict:
         """The current generation and where replaced roles live (a client re-asks with these)."""
         r = self.recovery
-        return {"gen": self.gen, "where": dict(r.where), "constructors": list(r.constructor_names)}
+        return {"gen": self.gen, "where": dict(r.spares.where), "constructors": list(r.constructor_names)}
 
     def advance(self, gen: int, step: int, feedback: list) -> None:
         """Plan every step up to ``step`` (the leader asked for it through a constructor). ``feedback``
@@ -148,12 +148,12 @@ class PlannerActor(RoleActor):
         routes = route(plan, self.n, self.sources)
         while True:                         # a constructor replaced meanwhile: send again to the new one
             names = list(r.constructor_names)
-            info = {"constructors": names, "where": dict(r.where)}
+            info = {"constructors": names, "where": dict(r.spares.where)}
             try:
                 plans = {c: r.constructor_ref(names[c]).plan(gen, step, plan, routes.buckets[c], routes.expected[c], info)
                          for c in range(self.n)}
                 args = {s: (gen, step, routes.sampled[s], {names[c]: idx for c, idx in routes.to[s].items()},
-                            dict(r.where)) for s in self.sources}
+                            dict(r.spares.where)) for s in self.sources}
                 states = r.each_loader(lambda ref, s: ref.deliver(*args[s], timeout=2 * self.timeout), step)
                 gather(plans, self.timeout)
                 if self.gen != gen:
@@ -227,7 +227,7 @@ class PlannerActor(RoleActor):
         self.versions = {v: JobState.make(self.planner.state_dict(), r.loader_state, self.feedback)}
         r.checkpoints.reset(v, self.versions[v])
         r.each_loader(lambda ref, s: ref.new_generation(self.gen, r.loader_state[s]), v, rejoin=True)
-        where = dict(r.where, **({self.name: r.home} if r.home else {}))    # a replacement Planner's home
+        where = dict(r.spares.where, **({self.name: r.home} if r.home else {}))    # a replacement Planner's home
         r.each_constructor(lambda ref: ref.new_generation(self.gen, self.name, where), v)
         for s in self.sources:
             r.shadows.follow(s, v)

@@ -20,7 +20,7 @@ position, :meth:`~.planner_actor.PlannerActor.rewind` and :meth:`~.planner_actor
 * a replacement Planner (started by the leader client when this one fails) restores itself from
   the store with :meth:`Recovery.recover`, then rewinds the same way.
 
-A failure nothing can replace (no shadow, no spare) ends the stream with :class:`RoleLost`, which
+A failure nothing can replace (no shadow, no spare) ends the stream with :class:`~.fault_policy.RoleLost`, which
 names the role and the step: never a silent skip.
 """
 
@@ -36,9 +36,9 @@ from .constructor_actor import ConstructorActor
 from .fault_policy import FAILURES, FaultPolicy, RoleLost
 from .loader_actor import LoaderActor
 from .recovery_store import PLANNER_KEY, RecoveryStore
-from .refs import ConstructorRef, LoaderRef, constructor_actor, loader_actor, shadow_actor
+from .refs import ConstructorRef, LoaderRef, constructor_actor, loader_actor
 from .shadows import Shadows
-from .spares import serving, spare_order
+from .spares import Spares
 from .step import JobState
 
 __all__ = ["Recovery"]
@@ -54,16 +54,14 @@ class Recovery:
         self.job, self.policy, self.store = job, policy, policy.store
         self.peers, self.timeout, self.sources = job.peers, job.timeout, job.sources
         self.active = {s: loader_actor(s) for s in self.sources}
-        self.shadow: dict[str, str | None] = {s: (shadow_actor(s) if policy.shadows else None) for s in self.sources}
         self.constructor_names = [constructor_actor(c) for c in range(job.n)]
-        self.where: dict[str, str] = {}                # replacements' placement, for the clients and loaders
         self.loader_state: dict[str, dict] = {}        # each source's state after the last completed step
         self.renames = 0
         self.replaced: dict[str, int] = collections.defaultdict(int)   # role ("loader:web") -> replacements
         self.home: str | None = None                   # the Planner's worker when it is a replacement on a spare
-        self.dead_spares: set[str] = set()
         self.events: list[dict] = []                   # failures handled: what, role, step, seconds, how
         self.shadows, self.checkpoints = Shadows(self), RecoveryStore(self)
+        self.spares = Spares(self.peers, policy.spares, self.checkpoints.roles)
 
     def loader_ref(self, name: str) -> LoaderRef:
         return LoaderRef(self.peers, name, self.timeout)
@@ -112,24 +110,8 @@ class Recovery:
                 self._event("constructor", old, step, t0, "replaced on a spare", e)
         return out
 
-    # -- spares ---------------------------------------------------------------------------------------
-    def _spawn_on_spare(self, name: str, factory, args: tuple, avoid: tuple = ()) -> str:
-        """Start ``name`` on the least-loaded live spare process not in ``avoid`` (see
-        :mod:`~torchdata_overlord.runtime.spares`); a spare that cannot start it is dead. Returns it."""
-        order = spare_order(self.policy.spares, serving(self.checkpointed_roles()), self.dead_spares, avoid)
-        for w in order:
-            try:
-                self.peers.spawn(name, factory, args, w)
-            except FAILURES:
-                self.dead_spares.add(w)      # killed, or died with an earlier replacement
-                continue
-            self.where[name] = w
-            return w
-        raise RoleLost(f"no live spare process can host {name!r} (spares {self.policy.spares}, dead "
-                       f"{sorted(self.dead_spares)}, not beside {sorted(a for a in avoid if a)}); start the job with "
-                       f"more spares")
-
     def new_name(self, base: str) -> str:
+        """A replacement's name (never its predecessor's: a frozen one may wake up)."""
         self.renames += 1
         return f"{base}#{self.renames}"
 
@@ -138,18 +120,10 @@ class Recovery:
         """Replace ``source``'s loader: promote its shadow, else restore one on a spare process."""
         t0 = time.perf_counter()
         old, state = self.active[source], self.loader_state.get(source)
-        how = None
-        shadow = self.shadow.get(source)
-        if shadow is not None and state is not None:
-            try:
-                self.loader_ref(shadow).promote(self.job.gen, state).result(self.timeout + 5)
-                self.active[source], self.shadow[source], how = shadow, None, "promoted its shadow"
-            except FAILURES:
-                self.shadow[source] = None
+        how = "promoted its shadow" if self.shadows.promote(source, state) else None
         if how is None:
-            name = self.new_name(loader_actor(source))
             try:
-                self._start_loader(name, source)
+                name = self._new_loader(source)
                 # ``state`` is the one after the last completed step (``step`` steps planned): during a
                 # delivery the Planner's own counter has already moved on to the next step
                 restored = self._restore_loader(name, source, step, state)
@@ -161,14 +135,12 @@ class Recovery:
         self._event("loader", old, step, t0, how, err)
         self.shadows.ensure(source)
 
-    def _start_loader(self, name: str, source: str) -> None:
-        """A new primary for ``source`` on a spare, never on its shadow's process."""
-        shadow = self.shadow.get(source)
-        avoid = (self.where.get(shadow) if shadow else None, self.shadows.starting.get(source, (None, None, None))[1])
-        self._spawn_on_spare(name, LoaderActor, self.loader_args(source), avoid)
-
-    def loader_args(self, source: str) -> tuple:
-        return (*self.policy.loader_args[source], self.peers, self.store, self.policy.snapshot_every)
+    def _new_loader(self, source: str) -> str:
+        """A new primary for ``source`` on a spare, never on its shadow's process (not restored yet)."""
+        name = self.new_name(loader_actor(source))
+        self.spares.spawn(name, LoaderActor, self.policy.loader_actor_args(source, self.peers),
+                          self.shadows.workers(source))
+        return name
 
     def _restore_loader(self, name: str, source: str, version: int, state: dict | None) -> str:
         """Bring loader ``name`` to ``source``'s state at ``version`` (steps planned): from its last
@@ -188,8 +160,7 @@ class Recovery:
     def _start_constructor(self, c: int, step: int, err: BaseException) -> str:
         name = self.new_name(constructor_actor(c))
         try:
-            self._spawn_on_spare(name, ConstructorActor, (c, *self.policy.constructor_args, self.peers, self.timeout,
-                                                          self.store, self.policy.build_thread))
+            self.spares.spawn(name, ConstructorActor, self.policy.constructor_actor_args(c, self.peers, self.timeout))
         except (FAILURES + (RoleLost,)) as e:
             raise RoleLost(f"constructor {c} failed at step {step} ({err}) and could not be replaced: {e}") from e
         self.constructor_names[c] = name
@@ -223,23 +194,13 @@ class Recovery:
             raise RoleLost("the Planner failed and there is no checkpoint store to restore it from; give the job a "
                            "checkpoint_dir")
         t0 = time.perf_counter()
-        newest = self.store.latest(PLANNER_KEY)
-        if newest is None:
-            raise RoleLost("the Planner failed before its first checkpoint; nothing to restore")
         # back to where every client was (the newest checkpoint's released position), or before
-        got = self.store.latest(PLANNER_KEY, at_most=min(int(newest[1]["released"]), newest[0]))
-        if got is None:
-            raise RoleLost(f"no valid Planner checkpoint at or before step {newest[1]['released']}")
-        version, ck = got
-        roles = newest[1]["roles"]
-        self.active, self.shadow = dict(roles["active"]), dict(roles["shadow"])
-        self.constructor_names, self.where = list(roles["constructors"]), dict(roles["where"])
-        self.renames, job.gen = int(roles["renames"]), int(newest[1]["gen"])
-        self.dead_spares = set(roles.get("dead_spares", []))
-        self.replaced.update(roles.get("replaced", {}))
+        newest, version, ck = self.checkpoints.restore_point()
+        self.checkpoints.restore_roles(newest["roles"])
+        job.gen = int(newest["gen"])
         self.replaced[PLANNER_KEY] += 1
         self.home = home
-        self.peers.learn(dict(self.where))
+        self.peers.learn(dict(self.spares.where))
         loaders = {}
         for s in self.sources:
             snap = self.checkpoints.differential(s, version)
@@ -248,8 +209,7 @@ class Recovery:
             try:
                 loaders[s] = self.loader_ref(self.active[s]).restore(job.gen, snap[1], snap[2]).result(self.timeout * 4)
             except FAILURES as e:         # it failed too: a new one on a spare
-                t1, old, name = time.perf_counter(), self.active[s], self.new_name(loader_actor(s))
-                self._start_loader(name, s)
+                t1, old, name = time.perf_counter(), self.active[s], self._new_loader(s)
                 loaders[s] = self.loader_ref(name).restore(job.gen, snap[1], snap[2]).result(self.timeout * 4)
                 self.active[s] = name
                 self.replaced[loader_actor(s)] += 1
@@ -257,14 +217,7 @@ class Recovery:
         job.new_generation({JobState.PLANNER: ck["planner"], JobState.LOADERS: loaders, JobState.FEEDBACK: ck["feedback"]})
         self._event("planner", PLANNER_KEY, version, t0, f"restored from the checkpoint of step {version}", None)
 
-    # -- who serves where ----------------------------------------------------------------------------------
-    def checkpointed_roles(self) -> dict:
-        """Who serves where (checkpointed: a replacement Planner continues from it)."""
-        return {"active": dict(self.active), "shadow": dict(self.shadow), "constructors": list(self.constructor_names),
-                "where": dict(self.where), "renames": self.renames, "dead_spares": sorted(self.dead_spares),
-                "replaced": dict(self.replaced), "home": self.home,
-                "starting": {name: worker for name, worker, _ in self.shadows.starting.values()}}
-
+    # -- what happened, who serves where -------------------------------------------------------------
     def _event(self, kind: str, role: str, step: int, t0: float, how: str, err: BaseException | None) -> None:
         ev = {"kind": kind, "role": role, "step": int(step), "seconds": round(time.perf_counter() - t0, 4),
               "how": how, "error": None if err is None else f"{type(err).__name__}: {str(err)[:200]}"}
@@ -274,5 +227,6 @@ class Recovery:
     def roles(self) -> dict:
         """Every serving role -> where it lives (replacements), the shadows, and how many times each
         role (``"planner"``, ``"loader:<source>"``, ...) was taken over by a replacement."""
-        return {"loaders": dict(self.active), "shadows": dict(self.shadow), "constructors": list(self.constructor_names),
-                "where": dict(self.where), "replaced": dict(self.replaced)}
+        return {"loaders": dict(self.active), "shadows": dict(self.shadows.names),
+                "constructors": list(self.constructor_names), "where": dict(self.spares.where),
+                "replaced": dict(self.replaced)}
