@@ -72,6 +72,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info  # noq
 from common import write_results  # noqa: E402
 import torchdata_overlord as ol  # noqa: E402
 from torchdata_overlord.runtime.local import LocalJob  # noqa: E402
+from torchdata_overlord.runtime.refs import PLANNER, constructor_actor, loader_actor  # noqa: E402
 from torchdata_overlord.sim.corpus import SOURCES, build_demo_corpus, default_corpus_root  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -406,18 +407,30 @@ def make_sources(corpus, seed: int, recorder: Recorder | None):
     return out
 
 
+def role_objects(job: LocalJob) -> tuple:
+    """(Planner actor, SourceLoaders, DataConstructors) of an in-process job."""
+    return (job.actor(PLANNER), [job.actor(loader_actor(n)).loader for n in job.names],
+            [job.actor(constructor_actor(c)).constructor for c in range(len(job._constructors))])
+
+
 def instrument(job: LocalJob, rec: Recorder, fine: bool) -> None:
-    """Wrap the job's role methods (instance attributes only; the library is not modified)."""
-    job.step = rec.wrap("step", job.step)
-    for l in job.loaders.values():
+    """Wrap the roles' methods (instance attributes only; the library is not modified). In one
+    process the Planner's thread runs each step: the loaders' metadata, the plan, then the dispatch
+    (deliveries to the constructor, which builds the step on that thread, and the commit). The
+    ``fine`` (serial) pass also turns off the Planner's asking ahead, so that the loaders refill on
+    the Planner's thread at plan time, not on their own threads, and the timers add up to the wall time."""
+    planner, loaders, constructors = role_objects(job)
+    planner._plan_one = rec.wrap("step", planner._plan_one)
+    for l in loaders:
         l.fill = rec.wrap("fill", l.fill)
     if not fine:
         return
-    job.state_dict = rec.wrap("state_dict", job.state_dict)
-    job.planner.plan = rec.wrap("plan", job.planner.plan)
-    job._stage = rec.wrap("stage", job._stage)
-    job.constructor.build = rec.wrap("build", job.constructor.build)
-    for l in job.loaders.values():
+    planner.planner.plan = rec.wrap("plan", planner.planner.plan)
+    planner._ask_ahead = lambda step: None      # serial: each step's metadata asked when it is planned
+    planner._dispatch = rec.wrap("dispatch", planner._dispatch)
+    for c in constructors:
+        c.build = rec.wrap("build", c.build)
+    for l in loaders:
         l.metadata = rec.wrap("metadata", l.metadata)
         l.source.next_raw = rec.wrap("read", l.source.next_raw)
 
@@ -473,18 +486,18 @@ def run_library(corpus, workers: int, global_batch: int, warmup: int, steps: int
     out["producer"] = {"window_s": window, "samples_per_s": steps * global_batch / window,
                        "fill_s": rec.total("fill", lo, hi), "non_fill_s": window - rec.total("fill", lo, hi)}
     if fine:
-        T = {k: rec.total(k, lo, hi) for k in ("transform", "read", "fill", "metadata", "plan", "stage", "build",
-                                               "step", "state_dict")}
+        T = {k: rec.total(k, lo, hi) for k in ("transform", "read", "fill", "metadata", "plan", "dispatch", "build",
+                                               "step")}
         overhead = window - T["transform"] - T["read"]
         out["phases_s"] = {
             "transform": T["transform"], "read (ParquetSource.next_raw)": T["read"],
             "loader fill bookkeeping": T["fill"] - T["transform"] - T["read"],
             "metadata report": T["metadata"] - T["fill"],
-            "plan (Planner.plan)": T["plan"], "stage (take from loaders)": T["stage"],
+            "plan (Planner.plan)": T["plan"],
+            "dispatch (deliver to the constructor, commit the state)": T["dispatch"] - T["build"],
             "construct (pack, CP split)": T["build"],
-            "rest of LocalJob.step": T["step"] - T["metadata"] - T["plan"] - T["stage"] - T["build"],
-            "state_dict per step": T["state_dict"],
-            "outside step (hand-off, packaging, threads)": window - T["step"] - T["state_dict"]}
+            "rest of the Planner's step": T["step"] - T["metadata"] - T["plan"] - T["dispatch"],
+            "outside the Planner's step (requests, packaging, threads)": window - T["step"]}
         out["transformed_samples"] = rec.count("transform", lo, hi)
         out["transform_s"], out["read_s"] = T["transform"], T["read"]
         out["transform_ms_per_sample"] = 1e3 * T["transform"] / max(1, out["transformed_samples"])
@@ -516,7 +529,7 @@ def profile_library(corpus, global_batch: int, warmup: int, steps: int, seed: in
     wall = 0.0
     try:
         for i in range(warmup + steps):
-            for loader in job.loaders.values():
+            for loader in role_objects(job)[1]:
                 loader.fill()
             if i >= warmup:
                 t0 = time.perf_counter()

@@ -9,8 +9,9 @@ waited. Scenarios:
 * ``planner_p2`` / ``planner_p4``: the Planner killed (SIGKILL) every 15 steps from step 5, prefetch 2
   vs 4: each kill makes the trainer's client start a new Planner on a spare, which restores from the
   checkpoint store and rewinds the roles;
-* ``loaders_p2``: 10 sources, 5 of their loaders killed at once at step 35: shadows are promoted;
-* ``shadows_on`` / ``shadows_off``: no failures, 10 sources: the memory (PSS) and CPU time of the
+* ``loaders_p2``: 10 sources (4 with ``--quick``), half of their loaders killed at once at step 35:
+  shadows are promoted;
+* ``shadows_on`` / ``shadows_off``: no failures, as many sources: the memory (PSS) and CPU time of the
   shadow processes against all role processes.
 
 For each failure run: stall steps (``next()`` waited for a step a failure held up), the longest wait,
@@ -104,10 +105,11 @@ def main(argv=None) -> int:
     root = args.root or default_corpus_root().parent / "demo-corpus-test"
     build_demo_corpus(root, scale="test", seed=0)
     t_all = time.perf_counter()
-    steps = 24 if args.quick else 100
+    steps = 16 if args.quick else 100
+    many = 4 if args.quick else 10          # sources of the many-source scenarios (each loader a process)
     every, first = (8, 4) if args.quick else (15, 5)
     planner_kills = list(range(first, steps - 2, every))
-    loader_kill = 10 if args.quick else 35
+    loader_kill = 8 if args.quick else 35
     work = calibrate_work(5.0 if args.quick else args.work_ms)
     base = {"root": str(root), "steps": steps, "work": work, "call_timeout": 10, "snapshot_every": 5}
     scenarios = {
@@ -116,13 +118,14 @@ def main(argv=None) -> int:
                             faults=[{"step": k, "kill": ["planner"]} for k in planner_kills]), planner_kills),
         "planner_p4": (dict(base, sources=2, spares=len(planner_kills) + 1, prefetch=4,
                             faults=[{"step": k, "kill": ["planner"]} for k in planner_kills]), planner_kills),
-        "no_failure_10": (dict(base, sources=10, spares=1, prefetch=2), []),
-        "loaders_p2": (dict(base, sources=10, spares=6, prefetch=2,
-                            faults=[{"step": loader_kill, "kill": [f"loader:s{i}" for i in range(5)]}]), [loader_kill]),
-        "shadows_off": (dict(base, sources=10, spares=0, prefetch=2, shadows=False, steps=min(steps, 30)), []),
+        f"no_failure_{many}": (dict(base, sources=many, spares=1, prefetch=2), []),
+        "loaders_p2": (dict(base, sources=many, spares=many // 2 + 1, prefetch=2,
+                            faults=[{"step": loader_kill, "kill": [f"loader:s{i}" for i in range(many // 2)]}]),
+                       [loader_kill]),
+        "shadows_off": (dict(base, sources=many, spares=0, prefetch=2, shadows=False, steps=min(steps, 30)), []),
     }
     print(f"trainer work {args.work_ms if not args.quick else 5:.0f} ms per step ({work} matmul rounds); {steps} steps; "
-          f"Planner killed at steps {planner_kills}; 5 of 10 loaders killed at step {loader_kill}", flush=True)
+          f"Planner killed at steps {planner_kills}; {many // 2} of {many} loaders killed at step {loader_kill}", flush=True)
     reps, errors = {}, {}
     for name, (cfg, _) in scenarios.items():
         t0 = time.perf_counter()
@@ -137,11 +140,11 @@ def main(argv=None) -> int:
     for name, (cfg, kills) in scenarios.items():
         if name not in reps or name.startswith(("no_failure", "shadows")):
             continue
-        ref = reps.get("no_failure_10" if cfg["sources"] == 10 else "no_failure_2")
+        ref = reps.get(f"no_failure_{many}" if cfg["sources"] == many else "no_failure_2")
         results[name] = summarise(reps[name], kills, ref["digests"] if ref else None)
     costs = {}
-    if "no_failure_10" in reps:
-        costs["shadows_on"] = shadow_cost(reps["no_failure_10"])
+    if f"no_failure_{many}" in reps:
+        costs["shadows_on"] = shadow_cost(reps[f"no_failure_{many}"])
     if "shadows_off" in reps:
         costs["shadows_off"] = shadow_cost(reps["shadows_off"])
 
@@ -162,6 +165,7 @@ def main(argv=None) -> int:
     out = {"benchmark": "fault_recovery", "quick": args.quick, "config": {
         "steps": steps, "work_ms": 5.0 if args.quick else args.work_ms, "work_rounds": work,
         "planner_kills": planner_kills, "loader_kill_step": loader_kill, "global_batch": 8, "mesh": {"dp": 2},
+        "sources_many": many,
         "call_timeout_s": 10, "snapshot_every": 5, "scale": "test"},
         "scenarios": {k: {kk: vv for kk, vv in v[0].items() if kk != "root"} for k, v in scenarios.items()},
         "results": results, "shadow_cost": costs, "errors": errors, "plot": str(plot_path)}
@@ -175,8 +179,9 @@ def plot(path: Path, results: dict, scenarios: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for ax, names, title in ((axes[0], ["planner_p2", "planner_p4"], "Planner killed every 15 steps"),
-                             (axes[1], ["loaders_p2"], "5 of 10 loaders killed at once")):
+    many = scenarios["loaders_p2"][0]["sources"]
+    for ax, names, title in ((axes[0], ["planner_p2", "planner_p4"], "Planner killed repeatedly"),
+                             (axes[1], ["loaders_p2"], f"{many // 2} of {many} loaders killed at once")):
         for name in names:
             if name in results:
                 r = results[name]

@@ -35,12 +35,17 @@ Measured per OverlordLoader run, on one loader and one iterator:
    per step and per microbatch;
    Target (issue): with prefetch 2, the trainer waits on data in < 1% of steps once warm;
 3. transport: the wall time of each step's hand-over of the planned samples from the Source Loaders
-   to the Data Constructors: in ``local`` the in-process ``SourceLoader.take`` calls, in ``rpc`` each
-   loader's own timing from issuing its ``put`` RPCs to every constructor's answer (serialisation,
-   TensorPipe, deserialisation), averaged over the loaders (they send in parallel), per sample; with
+   to the Data Constructors, each loader's own timing from its take to every constructor's answer to
+   its ``put`` (in ``local`` in-process calls; in ``rpc`` RPCs: serialisation, TensorPipe,
+   deserialisation), averaged over the loaders (in ``rpc`` they send in parallel), per sample; with
    the tensor bytes moved. Also the throughput-derived per-sample difference
    ``1/rpc samples/s - 1/local samples/s`` (this includes every other RPC hop: metadata, plan, constructor
    build and its outputs, and the different transform parallelism, so it is not transport alone).
+
+4. step rate (issue 12): steps/s of ``runtime="local"`` and ``runtime="rpc"`` at their default settings
+   at global batch 8 on a ``dp=2`` mesh (``rank=None``, Karmarkar-Karp on attention FLOPs, 2
+   microbatches), nothing but ``next()`` in the loop: the per-step cost of each runtime's request
+   path, where the samples are few. Target: rpc >= 0.8x local.
 
 Prints a table and writes ``benchmarks/results/runtimes.json``; exits non-zero only when a run failed.
 
@@ -83,6 +88,7 @@ TARGET = {"waited_fraction": 0.01, "prefetch": 2}
 MARK = "@@RUNTIMES-RESULT@@"
 RUNS = {"dataloader": "DataLoader, 2 worker processes", "local": "OverlordLoader local, workers=2 (1 process)",
         "rpc": "OverlordLoader rpc, n_workers=2 (3 processes)"}
+STEPRATE = {"global_batch": 8, "mesh": {"dp": 2}, "microbatches": 2, "target_rpc_over_local": 0.8}
 
 
 def strategy(g: ol.DGraph) -> ol.Plan:
@@ -132,39 +138,13 @@ def calibrate(target_ms: float, reps: int) -> tuple[ModelStep, float]:
 # one run (in its own process)
 # ------------------------------------------------------------------------------------------------
 
-def tensor_bytes(x) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.element_size() * x.nelement()
-    if isinstance(x, dict):
-        return sum(tensor_bytes(v) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return sum(tensor_bytes(v) for v in x)
-    return 0
-
-
 class TakeTimer:
-    """Per step: seconds of the take phase, samples and tensor bytes moved (instance-level wrapping only)."""
-
-    def __init__(self):
-        self.events: list[tuple[float, float, int, int]] = []    # (t_start, seconds, samples, bytes)
-        self._cur = None
-
-    def instrument_local(self, job) -> None:
-        stage = job._stage
-
-        def timed_stage(plan):
-            # _stage is only the loaders' take calls (dict pops) plus the key re-labelling
-            t0 = time.perf_counter()
-            out = stage(plan)
-            dt = time.perf_counter() - t0
-            self.events.append((t0, dt, len(out), sum(tensor_bytes(r) for r in out.values())))
-            return out
-        job._stage = timed_stage
+    """The hand-over of each step's samples from the Source Loaders to the Data Constructors."""
 
     @staticmethod
-    def rpc_totals(job) -> tuple:
-        """The rpc Source Loaders time their own sends (take -> every constructor's put answered):
-        (seconds summed over loaders / loaders, samples, bytes, steps) so far."""
+    def totals(job) -> tuple:
+        """The Source Loaders time their own sends (take -> every constructor's put answered), in
+        both runtimes: (seconds summed over loaders / loaders, samples, bytes, steps) so far."""
         stats = job.stats()["sources"].values()
         sent = [st["sent"] for st in stats]
         return (sum(x["seconds"] for x in sent) / max(len(sent), 1), sum(x["samples"] for x in sent),
@@ -175,10 +155,6 @@ class TakeTimer:
         return {"steps": steps, "seconds": seconds, "samples": samples, "bytes": nbytes,
                 "ms_per_step": 1e3 * seconds / max(steps, 1), "us_per_sample": 1e6 * seconds / max(samples, 1),
                 "kib_per_sample": nbytes / 1024 / max(samples, 1)}
-
-    def window(self, lo: float, hi: float) -> dict:
-        ev = [e for e in self.events if lo <= e[0] < hi]
-        return self.summary(sum(e[1] for e in ev), sum(e[2] for e in ev), sum(e[3] for e in ev), len(ev))
 
 
 def pct(xs, q) -> float:
@@ -192,13 +168,10 @@ def run_overlord(runtime: str, corpus, a: dict) -> dict:
     sources = e2e.make_sources(corpus, a["seed"], None)
     kw = {"n_workers": WORKERS, "workers": 0} if runtime == "rpc" else {"workers": WORKERS}
     gb = a["global_batch"]
-    timer = TakeTimer()
     t_start = time.perf_counter()
     loader = ol.OverlordLoader(sources, strategy, mesh, rank=None, global_batch=gb, seq_len=None, seed=a["seed"],
                                runtime=runtime, prefetch=TARGET["prefetch"], image_token_id=corpus.image_token_id,
                                **kw)
-    if runtime == "local":
-        timer.instrument_local(loader._job)
     t_built = time.perf_counter()
     with loader:
         it = iter(loader)
@@ -208,16 +181,14 @@ def run_overlord(runtime: str, corpus, a: dict) -> dict:
             first = first or time.perf_counter() - t_start
         # 1. throughput
         n = tokens = 0
-        before = timer.rpc_totals(loader._job) if runtime == "rpc" else None
+        before = TakeTimer.totals(loader._job)
         t0 = time.perf_counter()
         for _ in range(a["steps"]):
             s, k = e2e.consume(next(it))
             n, tokens = n + s, tokens + k
         t1 = time.perf_counter()
-        if runtime == "rpc":        # steps delivered in the window (the prefetch runs ahead by up to 2)
-            take = timer.summary(*[x - y for x, y in zip(timer.rpc_totals(loader._job), before)])
-        else:
-            take = timer.window(t0, t1)
+        # steps delivered in the window (the prefetch runs ahead by up to 2)
+        take = TakeTimer.summary(*[x - y for x, y in zip(TakeTimer.totals(loader._job), before)])
         thr = {"samples": n, "tokens": tokens, "seconds": t1 - t0, "samples_per_s": n / (t1 - t0),
                "tokens_per_s": tokens / (t1 - t0), "samples_per_step_ok": n == a["steps"] * gb,
                "take": take}
@@ -278,6 +249,27 @@ def latency_run(loader, it, model, model_ms: float, a: dict) -> dict:
             "loader_stats_fetch_wait": loader.stats()["fetch_wait"]}
 
 
+def steprate_strategy(g: ol.DGraph) -> ol.Plan:
+    return (g.mix(WEIGHTS).distribute("DP").cost(ol.attention_flops)
+            .balance(METHOD, microbatches=STEPRATE["microbatches"]).plan())
+
+
+def run_steprate(runtime: str, corpus, a: dict) -> dict:
+    """Steps/s of one runtime at its defaults, global batch 8, dp=2 (see the module docstring, 4.)."""
+    torch.set_num_threads(1)
+    with ol.OverlordLoader(e2e.make_sources(corpus, a["seed"], None), steprate_strategy,
+                           ol.ClientPlaceTree(**STEPRATE["mesh"]), rank=None, global_batch=STEPRATE["global_batch"],
+                           seq_len=None, seed=a["seed"], runtime=runtime, image_token_id=corpus.image_token_id) as loader:
+        it = iter(loader)
+        for _ in range(a["steprate_warmup"]):
+            next(it)
+        t0 = time.perf_counter()
+        for _ in range(a["steprate_steps"]):
+            next(it)
+        dt = time.perf_counter() - t0
+    return {"runtime": runtime, "steps": a["steprate_steps"], "seconds": dt, "steps_per_s": a["steprate_steps"] / dt}
+
+
 def run_dataloader(corpus, a: dict) -> dict:
     torch.set_num_threads(1)
     r = e2e.run_baseline(corpus, WORKERS, a["global_batch"], a["warmup"], a["steps"], a["seed"], grouped=False)
@@ -289,7 +281,10 @@ def one(kind: str, a: dict) -> int:
     corpus = build_demo_corpus(a["root"], scale=a["scale"], seed=a["seed"])
     gc.collect()
     gc.freeze()
-    r = run_dataloader(corpus, a) if kind == "dataloader" else run_overlord(kind, corpus, a)
+    if kind.startswith("steprate-"):
+        r = run_steprate(kind.split("-", 1)[1], corpus, a)
+    else:
+        r = run_dataloader(corpus, a) if kind == "dataloader" else run_overlord(kind, corpus, a)
     print(MARK + json.dumps(r), flush=True)
     return 0
 
@@ -320,7 +315,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model-ms", default="100,250",
                     help="target isolated model step times, comma-separated (one latency run each)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--one", choices=list(RUNS), help=argparse.SUPPRESS)
+    ap.add_argument("--one", choices=list(RUNS) + ["steprate-local", "steprate-rpc"], help=argparse.SUPPRESS)
     ap.add_argument("--args", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -335,7 +330,8 @@ def main(argv=None) -> int:
          "warmup": args.warmup if args.warmup is not None else (1 if args.quick else 4),
          "latency_steps": args.latency_steps or (6 if args.quick else 100),
          "latency_warmup": args.latency_warmup if args.latency_warmup is not None else (2 if args.quick else 5),
-         "model_ms": [float(x) for x in str(args.model_ms).split(",")], "calib_reps": 3 if args.quick else 7}
+         "model_ms": [float(x) for x in str(args.model_ms).split(",")], "calib_reps": 3 if args.quick else 7,
+         "steprate_warmup": 3 if args.quick else 10, "steprate_steps": 10 if args.quick else 100}
     t_all = time.perf_counter()
     load_start = round(os.getloadavg()[0], 2)
     corpus = build_demo_corpus(a["root"], scale=scale, seed=args.seed)    # build once, before the runs
@@ -352,6 +348,15 @@ def main(argv=None) -> int:
             errors[kind] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         print(f"  {kind}: {'failed' if kind in errors else 'done'} in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    steprate = {}
+    for _ in range(1 if args.quick else 2):                # interleaved twice: the machine is shared and noisy
+        for kind in ("steprate-local", "steprate-rpc"):
+            try:
+                steprate.setdefault(kind.split("-", 1)[1], []).append(spawn(kind, a, timeout=280 if args.quick else 600))
+            except Exception as e:  # noqa: BLE001 (recorded; the exit status says a run failed)
+                errors[kind] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
 
     print()
     print(f"{'run':>48} {'procs':>5} {'samples/s':>10} {'tokens/s':>10} {'startup s':>9}")
@@ -414,6 +419,14 @@ def main(argv=None) -> int:
                 verdict[f"ratio_{k}_over_dataloader"] = runs[k]["samples_per_s"] / runs["dataloader"]["samples_per_s"]
                 print(f"  samples/s {k} / dataloader: {verdict[f'ratio_{k}_over_dataloader']:.3f}")
 
+    if len(steprate) == 2:
+        rate = {k: float(np.median([r["steps_per_s"] for r in v])) for k, v in steprate.items()}
+        verdict["steprate_rpc_over_local"] = rate["rpc"] / rate["local"]
+        verdict["steprate_meets_target"] = verdict["steprate_rpc_over_local"] >= STEPRATE["target_rpc_over_local"]
+        print(f"\nstep rate at global batch {STEPRATE['global_batch']}, mesh {STEPRATE['mesh']}, default settings: "
+              f"local {rate['local']:.1f} steps/s, rpc {rate['rpc']:.1f} steps/s: rpc/local "
+              f"{verdict['steprate_rpc_over_local']:.2f} ({'MEETS' if verdict['steprate_meets_target'] else 'MISSES'} "
+              f"the >= {STEPRATE['target_rpc_over_local']} target)")
     out = {"benchmark": "runtimes", "quick": args.quick, "scale": scale, "target": TARGET,
            "config": {**{k: v for k, v in a.items() if k != "root"}, "corpus_root": a["root"], "weights": WEIGHTS,
                       "mesh": MESH, "rank": None, "microbatches": MICROBATCHES, "max_tokens": MAX_TOKENS,
@@ -428,9 +441,10 @@ def main(argv=None) -> int:
            "transport_note": ("hand-over = wall time per step of moving the planned samples from the Source Loaders "
                               "to the Data Constructors (rpc: each loader's put RPCs until every constructor answered, "
                               "serialisation + TensorPipe + deserialisation, averaged over the loaders, which send in "
-                              "parallel; local: in-process take calls), over the throughput window; the throughput "
+                              "parallel; local: in-process calls), over the throughput window; the throughput "
                               "delta includes every RPC hop."),
-           "runs": runs, "transport": transport, "verdict": verdict, "errors": errors}
+           "runs": runs, "steprate": {"config": STEPRATE, "runs": steprate}, "transport": transport,
+           "verdict": verdict, "errors": errors}
     write_results(args.out, out, started=t_all, load_start=load_start)
     return 1 if errors else 0
 

@@ -24,6 +24,10 @@ def test_runtimes_quick_writes_all_three_runs_and_latency(tmp_path):
     t = data["transport"]
     assert t["take_rpc_us_per_sample"] > 0 and t["take_local_us_per_sample"] > 0
     assert sum(k.startswith("rpc_") and k.endswith("_meets_target_data_not_ready") for k in data["verdict"]) == 2
+    rate = data["steprate"]
+    assert rate["config"]["global_batch"] == 8 and set(rate["runs"]) == {"local", "rpc"}
+    assert all(r["steps_per_s"] > 0 for runs in rate["runs"].values() for r in runs)
+    assert data["verdict"]["steprate_rpc_over_local"] > 0 and "step rate at global batch 8" in proc.stdout
     m = data["machine"]
     assert m["cores"] >= 1 and m["memory_gib"] > 0 and data["date"]
     assert "samples/s" in proc.stdout and "p99" in proc.stdout

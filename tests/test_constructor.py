@@ -298,7 +298,8 @@ def check_images(plan, row, want, samples, spans):
 
 
 def client_list(out):
-    return out["microbatches"] if isinstance(out, dict) else out
+    assert set(out) == {"delivery", "microbatches", "encoder"}      # one shape for every delivery
+    return out["microbatches"]
 
 
 def check_clients(plan, outs, b):
@@ -467,7 +468,7 @@ def test_empty_microbatch_is_a_padding_row(data):
         outs = build_all(plan, DataConstructor(seq_len, image_token_id=IMG), data["samples"])
         check_plan(plan, outs, data["samples"], seq_len=seq_len)
         for r in plan.buckets[1]:
-            for mb in outs[1][r]:
+            for mb in outs[1][r]["microbatches"]:
                 assert mb["sample_keys"] == [] and mb["spans"] == [] and not mb["loss_mask"].any()
                 assert mb["input_ids"].numel() == (seq_len or 4) // 2 and (mb["segment_ids"] == -1).all()
 
@@ -519,13 +520,13 @@ def test_small_image_in_a_cp_span_goes_to_the_shards_holding_its_placeholders(da
     assert sorted((it.shard, it.nshards) for it in items) == [(0, 2), (1, 2)]
     outs = build_all(plan, DataConstructor(None, image_token_id=IMG), samples)
     check_plan(plan, outs, samples)
-    holders = {int(mb["spans"][0]["shard"]): mb.get("image_keys", []) for b in outs for mb in outs[b][b]
+    holders = {int(mb["spans"][0]["shard"]): mb.get("image_keys", []) for b in outs for mb in outs[b][b]["microbatches"]
                if mb["spans"]}
     assert holders == {0: ["doc:0"], 1: []}      # placeholders 0..3 sit in chunk 0, held by shard 0
     # without placeholders the image rides with the span's first shard only
     plan = ol.Planner(cp_strategy(cap - 2), ol.ClientPlaceTree(cp=2), global_batch=2).plan(_buffers(samples, None))
     outs = build_all(plan, DataConstructor(None), samples)
-    holders = {int(mb["spans"][0]["shard"]): mb.get("image_keys", []) for b in outs for mb in outs[b][b]
+    holders = {int(mb["spans"][0]["shard"]): mb.get("image_keys", []) for b in outs for mb in outs[b][b]["microbatches"]
                if mb["spans"]}
     assert holders == {0: ["doc:0"], 1: []}
 
@@ -539,7 +540,7 @@ def test_without_image_token_id_images_ride_along_without_positions(data):
     outs = build_all(plan, DataConstructor(cap), samples)
     got = Counter()
     for b in outs:
-        for items, mb in zip(plan.bucket_microbatches(b), outs[b][b]):
+        for items, mb in zip(plan.bucket_microbatches(b), outs[b][b]["microbatches"]):
             cu = mb["cu_seqlens"].tolist()
             for j, it in enumerate(items):
                 ids = samples[it.key]["input_ids"]

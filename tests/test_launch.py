@@ -17,8 +17,9 @@ import torch
 
 from torchdata_overlord.runtime.local import LocalJob
 from torchdata_overlord.sim.corpus import build_demo_corpus
+from torchdata_overlord.testing import assert_identical
 
-from test_rpc_job import _alive, assert_identical
+from test_rpc_job import _alive
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -197,7 +198,7 @@ def test_two_data_nodes_and_two_trainers_equal_the_local_runtime(corpus, tmp_pat
     for r, g in enumerate(got):
         assert [it["step"] for it in g["items"]] == list(range(steps))
         for k, item in enumerate(g["items"]):
-            assert_identical(item["microbatches"], reference[k][r])
+            assert_identical(item["microbatches"], reference[k][r]["microbatches"])
     roles = got[0]["roles"]
     assert len(set(roles.values())) == 4                          # 2 nodes x 2 workers hold the 5 roles
     assert roles["constructor:0"] != roles["constructor:1"]

@@ -207,7 +207,7 @@ def test_every_delivery_kind_matches_the_documented_contract(corpus):
     for item in run(corpus, dp_text, mesh, 2, seq_len):
         for rank, batch in item.items():
             check(ol.Batch, batch, {}, where=f"rank {rank}")
-            assert "encoder" not in batch and batch["delivery"] == "data"
+            assert batch["encoder"] is None and batch["delivery"] == "data"
             for mb in batch["microbatches"]:
                 check_microbatch(mb, "data", True, seq_len // 2, 2, f"rank {rank}")
                 assert ("pixels" in mb) == bool(mb.get("image_keys"))

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torchdata_overlord as ol
-from test_loader import ROOT, assert_identical, corpus, make_sources  # noqa: F401 (fixture)
+from torchdata_overlord.testing import assert_identical
+from test_loader import ROOT, corpus, make_sources  # noqa: F401 (fixture)
 
 STEPS, BATCH = 3, 16
 MESH = dict(dp=2)

@@ -6,7 +6,6 @@ expected sample key of a record is read from the data itself, not computed by th
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import random
@@ -115,14 +114,6 @@ def test_restore_decodes_only_the_row_group_it_lands_in(data):
     fresh.load_state_dict(state)
     assert next(fresh) == next(src)
     assert fresh.reads == 1 and fresh.epoch == 1
-
-
-def test_loading_the_initial_state_replays_everything(data):
-    src = ParquetSource("s", data, seed=4, epochs=2)
-    initial = src.state_dict()
-    first = take(src, N + 3)
-    src.load_state_dict(initial)
-    assert take(src, N + 3) == first
 
 
 def test_state_from_another_configuration_is_refused(data, tmp_path):

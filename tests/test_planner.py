@@ -196,23 +196,6 @@ def test_failed_strategy_leaves_planner_unchanged():
     assert a.plan(bufs_ok).to_dict() == ref.plan(bufs_ok).to_dict()
 
 
-def test_state_dict_is_a_snapshot_and_load_copies():
-    mesh = ol.ClientPlaceTree(dp=2)
-    a = ol.Planner(_strategy(ol.Constant({"a": 1, "b": 2}), method="greedy"), mesh, 9)
-    bufs = make_buffers({"a": np.arange(1, 20), "b": np.arange(1, 20)})
-    a.plan(bufs)
-    s = a.state_dict()
-    frozen = copy.deepcopy(s)
-    a.plan(bufs)
-    assert s == frozen                                           # not a live view
-    b = ol.Planner(_strategy(ol.Constant({"a": 1, "b": 2}), method="greedy"), mesh, 9)
-    b.load_state_dict(s)
-    s["primitives"]["mix"]["apportion"]["realised"]["a"] = 10**6  # the caller's dict, mutated after loading
-    c = ol.Planner(_strategy(ol.Constant({"a": 1, "b": 2}), method="greedy"), mesh, 9)
-    c.load_state_dict(frozen)
-    assert b.plan(bufs).to_dict() == c.plan(bufs).to_dict()
-
-
 def test_fifo_mixing_bounds_how_long_a_sample_waits():
     """No sample waits in a buffer forever: with FIFO counts of 16 per source per step and buffers
     of 64, every sample is taken within 4 steps of entering the buffer."""

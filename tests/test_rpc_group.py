@@ -3,7 +3,7 @@
 Eight trainer processes (mesh dp=1, cp=2, tp=2, pp=2) each create ``OverlordLoader(runtime="rpc",
 group="default", rank=r)``: group rank 0 starts the role workers, every rank fetches only its own
 part. Each rank's batches must be bit-identical to what LocalJob builds for that rank, TP>0 ranks
-(after ``broadcast_at("TP")``) fetch nothing, PP>0 stages receive metadata only and CP ranks their
+(after ``broadcast_at("TP")``) receive no tensors, PP>0 stages receive metadata only and CP ranks their
 zig-zag shards; the whole group restarted from each rank's own checkpoint continues identically.
 """
 
@@ -22,8 +22,9 @@ from torchdata_overlord.runtime.local import LocalJob
 from torchdata_overlord.sim.corpus import build_demo_corpus
 from torchdata_overlord.sources import ParquetSource
 from torchdata_overlord.transforms import ImageText, Tokenize
+from torchdata_overlord.testing import assert_identical
 
-from test_rpc_job import _alive, assert_identical
+from test_rpc_job import _alive
 
 GLOBAL_BATCH, STEPS, CKPT_AFTER = 8, 3, 2
 WORLD = 8
@@ -104,7 +105,7 @@ def test_trainer_ranks_in_a_gloo_group_receive_their_part(corpus, tmp_path):
         c = mesh.coords(r)
         assert [it["step"] for it in got["items"]] == list(range(STEPS))
         for k, item in enumerate(got["items"]):
-            assert_identical(item["microbatches"], reference[k][r])
+            assert_identical(item["microbatches"], reference[k][r]["microbatches"])
             if c["tp"] > 0:
                 assert item["delivery"] == "none" and item["microbatches"] is None
             elif c["pp"] > 0:
@@ -113,8 +114,10 @@ def test_trainer_ranks_in_a_gloo_group_receive_their_part(corpus, tmp_path):
             else:
                 assert item["delivery"] == "data"
                 assert all(mb["cp_rank"] == c["cp"] and mb["cp_size"] == 2 for mb in item["microbatches"])
-        # TP>0 ranks never asked a Data Constructor for anything
-        assert (got["fetches"] == 0) == (c["tp"] > 0), (r, got["fetches"])
+        # the lazy order: every rank asks only its Data Constructor, once a step it asks for (a TP>0
+        # rank too: it learns the step's state from it, and receives no tensors); prefetch=2 may have
+        # asked for up to two steps beyond those read
+        assert STEPS <= got["fetches"] <= STEPS + 2, (r, got["fetches"])
     assert any(len(mb["input_ids"]) for it in first[0]["items"] for mb in it["microbatches"])
     # the roles lived in worker processes of rank 0, none in a trainer process
     role_pids = set(first[0]["roles"].values())
@@ -126,7 +129,7 @@ def test_trainer_ranks_in_a_gloo_group_receive_their_part(corpus, tmp_path):
     for r, got in enumerate(again):
         assert [it["step"] for it in got["items"]] == list(range(CKPT_AFTER, STEPS + 1))
         for item in got["items"]:
-            assert_identical(item["microbatches"], reference[item["step"]][r])
+            assert_identical(item["microbatches"], reference[item["step"]][r]["microbatches"])
     assert not [p for p in set(again[0]["roles"].values()) if _alive(p)]
 
 
@@ -169,7 +172,7 @@ def test_every_trainer_rank_follows_a_replaced_planner(corpus, tmp_path):
     for r, g in enumerate(got):
         assert [it["step"] for it in g["items"]] == list(range(steps))
         for k, item in enumerate(g["items"]):
-            assert_identical(item["microbatches"], reference[k][r])
+            assert_identical(item["microbatches"], reference[k][r]["microbatches"])
     assert any(rec["how"] == "replaced the Planner" for rec in got[0]["faults"]["recoveries"])
     assert any(rec["how"] == "learned the leader's new Planner" for rec in got[1]["faults"]["recoveries"])
     assert not _alive(got[0]["killed"])

@@ -23,9 +23,10 @@ import torch
 import torchdata_overlord as ol
 from torchdata_overlord.sim.corpus import build_demo_corpus
 from torchdata_overlord.sources import ParquetSource
+from torchdata_overlord.testing import assert_identical
 from torchdata_overlord.transforms import ImageText, Tokenize
 
-from test_rpc_job import _alive, assert_identical
+from test_rpc_job import _alive
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchdata_overlord.runtime.spares import serving, spare_order
+from torchdata_overlord.runtime.fault_policy import RoleLost
+from torchdata_overlord.runtime.spares import Spares, serving, spare_order
+from torchdata_overlord.runtime.transport import ActorDied
 
 SPARES = [f"w{i}" for i in range(5)]
 
@@ -26,3 +29,26 @@ def test_serving_counts_only_roles_that_serve_now():
              "home": "w3"}
     # loader:web#1 was replaced (not serving); the originals live on the role workers, not on spares
     assert serving(roles) == {"shadow:web#3": "w0", "constructor:1#2": "w1", "shadow:caps#4": "w2", "<planner>": "w3"}
+
+
+def test_spares_spawn_skips_a_dead_spare_and_says_when_none_is_left():
+    """Spares.spawn: a spare that cannot start the role is dead from then on; the replacement's
+    placement is recorded; with no live spare left (or only avoided ones) the role is lost, by name."""
+    class Peers:
+        def __init__(self):
+            self.started = []
+
+        def spawn(self, name, factory, args, worker):
+            if worker == "w0":
+                raise ActorDied("w0 is gone")
+            self.started.append((name, worker))
+
+    roles = {"active": {}, "shadow": {}, "constructors": [], "where": {"x": "w1"}}
+    peers = Peers()
+    spares = Spares(peers, ["w0", "w1", "w2"], lambda: dict(roles, active={"a": "x"}))
+    assert spares.spawn("loader:web#1", object, (), avoid=("w2",)) == "w1"     # w0 dead, w2 avoided
+    assert spares.dead == {"w0"} and spares.where == {"loader:web#1": "w1"}
+    assert peers.started == [("loader:web#1", "w1")]
+    assert spares.order() == ["w2", "w1"]              # w1 hosts x: the idle w2 first
+    with pytest.raises(RoleLost, match="constructor:0#2"):
+        spares.spawn("constructor:0#2", object, (), avoid=("w1", "w2"))

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+import concurrent.futures as cf
 import multiprocessing as mp
 
 import pytest
@@ -30,6 +31,21 @@ class Strategy:
 
 def make_planner():
     return ol.Planner(Strategy(), ol.ClientPlaceTree(**MESH), 16, seed=7)
+
+
+class Pooled:
+    """An actor holding a thread pool, as a Source Loader with workers does."""
+
+    def __init__(self):
+        self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="overlord-pooled")
+        self.closed = False
+
+    def work(self):
+        return self.pool.submit(threading.current_thread).result(10).name
+
+    def close(self):
+        self.closed = True
+        self.pool.shutdown(wait=True)
 
 
 class Counter:
@@ -130,6 +146,24 @@ def test_inprocess_actors_run_concurrently_and_time_out():
     finally:
         release.set()
         t.stop()
+    assert not [th for th in threading.enumerate() if th.name.startswith("overlord-") and th.is_alive()]
+
+
+def test_a_killed_inprocess_actor_frees_its_threads_as_a_dead_process_would():
+    t = InProcessTransport(stop_timeout=5)
+    try:
+        t.start_actor("p", Pooled)
+        t.start_actor("q", Pooled)
+        assert t.call("p", "work", timeout=10).result(10).startswith("overlord-pooled")
+        assert t.call("q", "work", timeout=10).result(10).startswith("overlord-pooled")
+        p, q = t.actor("p"), t.actor("q")
+        t.kill(["p"])
+        with pytest.raises(ActorDied):
+            t.call("p", "work", timeout=10).result(10)
+    finally:
+        t.stop()                                # joins the actor threads
+    assert p.closed and not q.closed            # stop() leaves closing live actors to their owner
+    q.close()
     assert not [th for th in threading.enumerate() if th.name.startswith("overlord-") and th.is_alive()]
 
 

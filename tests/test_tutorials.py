@@ -1,6 +1,8 @@
 """The tutorials run on the real demo corpus (scale "test") and show what their docstrings claim."""
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,7 +10,7 @@ import pytest
 from torchdata_overlord.sim.corpus import build_demo_corpus
 
 TUTORIALS = Path(__file__).resolve().parent.parent / "tutorials"
-NAMES = ("long_short_mixing", "vlm_hybrid_balance", "curriculum_mixing", "checkpoint_resume")
+NAMES = ("long_short_mixing", "vlm_hybrid_balance", "curriculum_mixing", "checkpoint_resume", "custom_source")
 
 
 def load(name):
@@ -85,3 +87,14 @@ def test_checkpoint_resume_is_bit_identical(root, capsys):
     assert fig["checkpoint_step"] == 2 and fig["resumed_steps"] == [2, 3]
     assert fig["tensors_compared"] > 0
     assert "identical" in out
+
+
+@pytest.mark.slow
+def test_custom_source_runs_a_users_node_the_same_in_both_runtimes(root):
+    """Run as a script, as a user would: rpc role processes import the node factory from it."""
+    proc = subprocess.run([sys.executable, str(TUTORIALS / "custom_source.py"), "--scale", "test", "--root", root,
+                           "--steps", "4"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "4 steps, the same in both runtimes" in proc.stdout
+    assert "'chat': " in proc.stdout and "'notes': " in proc.stdout and "'code': " in proc.stdout
+    assert "resumed the rpc loader at step 2" in proc.stdout

@@ -10,7 +10,9 @@ The public API, in the order a training script meets it:
   :data:`encoder_cost`) and :func:`register_balancer` for user balancing methods;
 * the roles: :class:`Planner` (runs a strategy on buffer metadata, one :class:`Plan` per step);
 * the metadata a Source Loader reports: :class:`BufferMeta`;
-* real data: :class:`ParquetSource` with the sample transforms :class:`Tokenize` and :class:`ImageText`;
+* real data: the sources (:class:`ParquetSource`; :class:`FileSource` for JSON Lines, CSV and Arrow IPC
+  files; :class:`NodeSource` for any stateful ``torchdata.nodes`` node; :class:`Source`, the protocol
+  they share) with the sample transforms :class:`Tokenize` and :class:`ImageText`;
 * the trainer's drop-in ``DataLoader``: :class:`OverlordLoader`, with :class:`FaultTolerance` to
   keep feeding through failed roles under ``runtime="rpc"``; what it yields, key by key:
   :class:`Batch` and :class:`Microbatch` (``torchdata_overlord.batch``).
@@ -24,13 +26,14 @@ from .plane import (AttentionFlops, BufferMeta, ClientPlaceTree, Constant, Cosin
 from .plane.balancing import BinProblem, register_balancer
 from .loader import FaultTolerance, OverlordLoader
 from .roles import Planner
-from .sources import ParquetSource, SourceReadError
+from .sources import FileSource, NodeSource, ParquetSource, Source, SourceReadError
 from .transforms import ImageText, Tokenize
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "OverlordLoader", "FaultTolerance", "Batch", "Microbatch", "ParquetSource", "Tokenize", "ImageText",
+    "OverlordLoader", "FaultTolerance", "Batch", "Microbatch", "Source", "ParquetSource", "FileSource", "NodeSource",
+    "Tokenize", "ImageText",
     "ClientPlaceTree", "DGraph", "Plan", "PlanItem", "SampleKey", "BufferMeta", "Planner",
     "Schedule", "Constant", "Piecewise", "Linear", "Cosine", "FromCallable", "Dynamic",
     "token_count", "AttentionFlops", "attention_flops", "EncoderCost", "encoder_cost",

@@ -10,8 +10,9 @@ this rank receives (from the step's plan):
 * ``"none"``: ranks > 0 along a ``broadcast_at`` axis (e.g. TP): ``microbatches`` is None, the
   trainer broadcasts the data from rank 0 of that axis.
 
-With an encoder module in the plan (``plan(encoder=...)``), ``batch["encoder"]`` holds the images
-this rank's encoder bucket embeds (:class:`EncoderPart`, or None), whatever its backbone delivery.
+Every delivery has the same keys. With an encoder module in the plan (``plan(encoder=...)``),
+``batch["encoder"]`` holds the images this rank's encoder bucket embeds (:class:`EncoderPart`, or
+None), whatever its backbone delivery; without one it is None.
 
 Each microbatch is one packed row (:class:`Microbatch`) in TransformerEngine's THD layout: its
 sequences back to back, ``cu_seqlens`` (real lengths, what attention covers) and
@@ -131,8 +132,8 @@ class Batch(TypedDict):
     delivery: Annotated[Literal["data", "metadata", "none"], Field(str, doc="see the module docstring")]
     microbatches: Annotated[list[Microbatch] | None, Field(list, when="delivery != 'none' (else None)",
                                                             doc="this rank's microbatches, in order")]
-    encoder: NotRequired[Annotated[EncoderPart | None, Field(dict, when="encoder module (None: embeds nothing)",
-                                                             doc="the images this rank's encoder bucket embeds")]]
+    encoder: Annotated[EncoderPart | None, Field(dict, when="encoder module (else None; None: embeds nothing)",
+                                                 doc="the images this rank's encoder bucket embeds")]
 
 
 def fields(contract: type) -> dict[str, Field]:

@@ -71,8 +71,7 @@ def print_roles(stats: dict) -> None:
         print(f"  {role:>16}: no answer ({err})")
     if "planner" in stats and "error" not in stats["planner"]:
         p = stats["planner"]
-        print(f"  planner: next step {p['next_step']}, steps held {p['steps_held']}, waiting requests "
-              f"{p['waiting_requests']}")
+        print(f"  planner: next step {p['next_step']}, steps planned {p['steps_planned']}")
         for name, c in stats["constructors"].items():
             if "error" in c:
                 continue

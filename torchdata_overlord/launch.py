@@ -46,7 +46,7 @@ from .runtime import _rpc_worker as W
 from .runtime import rpc_leave as L
 from .runtime.rpc_agent import CPP_ERRORS_ONLY, TransportStartupError, set_cpp_log_level
 from .runtime.rendezvous import LAYOUT_KEY, SCHEME, connect_store, host_store, is_loopback
-from .runtime.rpc_job import RoleConfig, start_roles
+from .runtime.job_config import RoleConfig, start_roles
 
 log = logging.getLogger("torchdata_overlord.launch")
 JOB_KEYS = ("sources", "strategy", "mesh", "global_batch", "seq_len", "seed", "buffer_size", "workers",

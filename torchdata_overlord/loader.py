@@ -30,7 +30,8 @@ from .errors import ConfigError, OverlordError
 from .plane.mixture_probe import mixture_spec
 from .plane.place_tree import ClientPlaceTree
 from .runtime.coverage import check_clients_cover_mesh
-from .runtime.local import LocalJob, SourceExhausted
+from .runtime.local import LocalJob
+from .runtime.step import JobState, SourceExhausted
 from .runtime.rpc_job import RpcJob
 
 __all__ = ["OverlordLoader", "FaultTolerance"]
@@ -95,9 +96,8 @@ class OverlordLoader:
     Every runtime yields the same batches. ``timeout`` bounds every wait for the next step;
     ``startup_timeout`` bounds the rpc runtime's start-up (processes joining, every Source Loader's first
     buffer): raise it for hundreds of sources.
-    Each item: ``{"step": int, "delivery": "data" | "metadata" | "none", "microbatches": list | None}``
-    (see :class:`~torchdata_overlord.roles.constructor.DataConstructor` for the microbatch fields),
-    plus ``"encoder"`` (the images this rank embeds) when the plan carries an encoder module.
+    Each item: ``{"step": int, "delivery": "data" | "metadata" | "none", "microbatches": list | None,
+    "encoder": dict | None}``, the same keys for every delivery (see :mod:`~torchdata_overlord.batch`).
     ``image_token_id`` is your tokenizer's id of the image placeholder piece (e.g. ``"<image>"``
     trained as a sentencepiece ``user_defined_symbols`` entry:
     ``SentencePieceProcessor(model_file=spm_path).piece_to_id("<image>")``): each image stands in the
@@ -197,7 +197,7 @@ class OverlordLoader:
         self._stop_producer()
         if self._pending is not None:
             self._consumed, self._pending = self._pending, None
-            self._feedback = copy.deepcopy(self._consumed[self.K_JOB].get(LocalJob.FEEDBACK, []))
+            self._feedback = copy.deepcopy(self._consumed[self.K_JOB].get(JobState.FEEDBACK, []))
             self.exhausted_reason = None
         self._job.load_state_dict(self._job_state(self._consumed))
         self._active = True
@@ -284,7 +284,7 @@ class OverlordLoader:
         if not ready and getattr(fut, "delayed", False):
             self.stalls += 1               # the trainer waited for a step a failure had delayed
         self._consumed = {self.K_STEP: res.step + 1, self.K_JOB: res.state}
-        planned = res.state[LocalJob.PLANNER]["step"]
+        planned = JobState.step(res.state)
         self._feedback = [f for f in self._feedback if f[0] >= planned]   # the rest is in the snapshot
         self.last_plan = res.plan
         return self._package(res.step, res.outputs)
@@ -309,23 +309,13 @@ class OverlordLoader:
 
     def _package(self, step: int, outputs: dict):
         def one(rank):
-            out = outputs[rank]
-            item = {"step": step}
-            if isinstance(out, dict):      # a plan with an encoder module: backbone part + images to embed
-                item.update(out)
-            else:
-                item.update(delivery=self._delivery(rank, out), microbatches=out)
+            item = {"step": step, **outputs[rank]}
             if self.pin_memory:
                 item = _pin(item)
             return item
         if self.rank is not None:
             return one(self.rank)
         return {r: one(r) for r in sorted(outputs)}
-
-    def _delivery(self, rank: int, out) -> str:
-        if out is None:
-            return "none"
-        return "metadata" if self.mesh.coords(rank).get("pp", 0) > 0 else "data"
 
     # -- trainer feedback ----------------------------------------------------------------------
     def feedback(self, values: Mapping[str, float]) -> None:
@@ -347,8 +337,8 @@ class OverlordLoader:
     def _job_state(self, at: dict) -> dict:
         """The roles' state at a consumed point, with the trainer feedback not yet planned there."""
         job = copy.deepcopy(at[self.K_JOB])
-        planned = job[LocalJob.PLANNER]["step"]
-        job[LocalJob.FEEDBACK] = [copy.deepcopy(f) for f in self._feedback if f[0] >= planned]
+        planned = JobState.step(job)
+        job[JobState.FEEDBACK] = [copy.deepcopy(f) for f in self._feedback if f[0] >= planned]
         return job
 
     def state_dict(self) -> dict:

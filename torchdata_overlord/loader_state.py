@@ -15,7 +15,7 @@ import math
 from typing import Mapping
 
 from .errors import ConfigError
-from .runtime.local import LocalJob
+from .runtime.step import JobState
 
 __all__ = ["FORMAT", "pack", "unpack"]
 
@@ -101,8 +101,8 @@ def unpack(state, config: Mapping, strict: bool = True) -> tuple[int, dict, list
 
 def check_job(job: dict, step: int, config: Mapping) -> None:
     """The roles' parts agree with each other, with the consumed ``step`` and with ``config``."""
-    _keys(job, (LocalJob.PLANNER, LocalJob.LOADERS, LocalJob.FEEDBACK), "'job'")
-    planner = _of(job[LocalJob.PLANNER], dict, "job.planner")
+    _keys(job, (JobState.PLANNER, JobState.LOADERS, JobState.FEEDBACK), "'job'")
+    planner = _of(job[JobState.PLANNER], dict, "job.planner")
     _keys(planner, ("step", "seed", "global_batch", "mesh", "primitives"), "job.planner")
     planned = _count(planner["step"], "job.planner.step")
     if planned != step:
@@ -113,7 +113,7 @@ def check_job(job: dict, step: int, config: Mapping) -> None:
             raise _bad(f"job.planner.{key}", f"is {planner[key]!r:.80}, but the state's config has {config[key]!r:.80}")
     for key, prim in _of(planner["primitives"], dict, "job.planner.primitives").items():
         _check_mix(key, prim, step, config["global_batch"])
-    loaders = _of(job[LocalJob.LOADERS], dict, "job.loaders")
+    loaders = _of(job[JobState.LOADERS], dict, "job.loaders")
     if sorted(loaders) != sorted(config["sources"]):
         raise _bad("job.loaders", f"has sources {sorted(loaders)}, the config {sorted(config['sources'])}")
     for name, part in loaders.items():
@@ -126,7 +126,7 @@ def check_job(job: dict, step: int, config: Mapping) -> None:
                   for i, e in enumerate(_of(part["epochs_started"], list, f"{where}.epochs_started"))]
         if not epochs or epochs != sorted(epochs):
             raise _bad(f"{where}.epochs_started", f"is {epochs}, not a non-empty increasing list")
-    for i, entry in enumerate(_of(job[LocalJob.FEEDBACK], list, "job.feedback")):
+    for i, entry in enumerate(_of(job[JobState.FEEDBACK], list, "job.feedback")):
         where = f"job.feedback[{i}]"
         if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], dict)):
             raise _bad(where, f"is {entry!r:.80}, not [step, {{source: value}}]")

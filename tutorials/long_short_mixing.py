@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     if spans:
         bucket = last.bucket_of(mesh.rank(pp=0, dp=spans[0]["dp"], cp=spans[0]["cp_ranks"][0], tp=0))
         rank = last.buckets[bucket][0]
-        built = DataConstructor(seq_len=None).build(last, bucket, samples)[rank]
+        built = DataConstructor(seq_len=None).build(last, bucket, samples)[rank]["microbatches"]
         for m, mb in enumerate(built):
             for sh in mb["spans"]:
                 shown = sh

@@ -127,7 +127,7 @@ def receives_nothing(plan: Plan, rank: int) -> tuple[bool, object]:
     encoder = plan.modules.get("encoder")
     if plan.delivery(rank) != "none" or (encoder is not None and encoder.delivery(rank) != "none"):
         return False, None
-    return True, (None if encoder is None else {"delivery": "none", "microbatches": None, "encoder": None})
+    return True, {"delivery": "none", "microbatches": None, "encoder": None}
 
 
 def bucket_inputs(plan: Plan, bucket: int) -> dict[str, set[int]]:
@@ -195,13 +195,12 @@ class DataConstructor:
 
     # -- public ----------------------------------------------------------------------------------
     def build(self, plan: Plan, bucket: int, samples: Mapping[SampleKey, dict]) -> dict[int, object]:
-        """rank -> what that client receives this step, for every rank in ``plan.buckets[bucket]``.
-
-        Without an encoder module: ``None`` (``"none"`` delivery), or a list with one dict per
-        microbatch (``"data"``; ``"metadata"`` for pipeline stages > 0, without ``input_ids`` and
-        pixels, with ``labels``/``loss_mask`` on the last stage only). With
-        ``plan.modules["encoder"]``: ``{"delivery", "microbatches" (that list or None), "encoder"}``
-        where ``"encoder"`` holds the images this rank's encoder bucket embeds (or None).
+        """rank -> what that client receives this step, for every rank in ``plan.buckets[bucket]``:
+        always ``{"delivery", "microbatches", "encoder"}`` (:class:`~torchdata_overlord.batch.Batch`
+        without its ``step``). ``microbatches`` is None for the ``"none"`` delivery, else one dict per
+        microbatch (``"metadata"`` for pipeline stages > 0: no ``input_ids`` and pixels,
+        ``labels``/``loss_mask`` on the last stage only); ``encoder`` holds the images this rank's
+        encoder bucket embeds (None without ``plan.modules["encoder"]``, or when it embeds none).
         """
         if isinstance(bucket, bool) or not isinstance(bucket, int) or not 0 <= bucket < len(plan.buckets):
             raise ConfigError(f"step {plan.step}: bucket {bucket!r} is outside 0..{len(plan.buckets) - 1} "
@@ -231,11 +230,8 @@ class DataConstructor:
                         splits[m, cp_rank] = split_packed({k: row[k] for k in _SPLIT_FIELDS}, cp, cp_rank)
                     mbs.append(self._client_view(row, splits.get((m, cp_rank)), delivery == "metadata",
                                                  c.get("pp", 0) == pp_last))
-            if encoder is None:
-                out[r] = mbs
-            else:
-                out[r] = {"delivery": delivery, "microbatches": mbs,
-                          "encoder": self._encoder_part(encoder, r, samples, enc_cache)}
+            out[r] = {"delivery": delivery, "microbatches": mbs,
+                      "encoder": None if encoder is None else self._encoder_part(encoder, r, samples, enc_cache)}
         return out
 
     # -- samples -----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from torchdata.nodes import BaseNode
 
 from ..errors import ConfigError
 from ..plane.records import BufferMeta
-from ..sources.parquet import SKIPPED
+from ..sources.base import SKIPPED
 from .constructor import sequence_length
 
 __all__ = ["SourceLoader", "record_bytes"]
@@ -44,10 +44,10 @@ def record_bytes(record: Any) -> int:
 
 
 class SourceLoader(BaseNode[tuple]):
-    """``SourceLoader(source, buffer_size, workers=0)`` over a :class:`~torchdata_overlord.ParquetSource`.
+    """``SourceLoader(source, buffer_size, workers=0)`` over any :class:`~torchdata_overlord.Source`.
 
-    A sample's index is ``epoch * source.num_rows + key``: unique over the whole run, so a sample
-    seen again in a later epoch is a different planned item. ``image_token_id`` makes reported
+    A sample's index is the one the source's ``next_raw`` gives: unique over the whole run, so a
+    sample seen again in a later epoch is a different planned item. ``image_token_id`` makes reported
     token counts include image placeholder tokens, as the Data Constructor packs them.
     """
 
@@ -114,7 +114,7 @@ class SourceLoader(BaseNode[tuple]):
         while len(raws) < want:
             before = self.source.state_dict()
             try:
-                key, row, where = self.source.next_raw()
+                index, row, where = self.source.next_raw()
             except StopIteration:
                 self.exhausted = True
                 log.info("source %r: exhausted after epoch %d", self.name, self.source.epoch - 1)
@@ -122,7 +122,6 @@ class SourceLoader(BaseNode[tuple]):
             if self.source.epoch != self.epochs_started[-1]:
                 self.epochs_started.append(self.source.epoch)
                 log.info("source %r: starting epoch %d with a new order", self.name, self.source.epoch)
-            index = self.source.epoch * self.source.num_rows + key
             self._seq += 1
             if index in self._taken:          # consumed before the last checkpoint: skip on rebuild
                 self._taken[index] = self._seq

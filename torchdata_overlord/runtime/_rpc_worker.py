@@ -286,7 +286,7 @@ class RpcPeers:
     def __init__(self, placement: dict[str, str], ns: str = ""):
         self.placement, self.ns = dict(placement), ns
 
-    def call(self, name: str, method: str, *args, timeout: float, **kwargs) -> cf.Future:
+    def call(self, name: str, method: str, *args, timeout: float, direct: bool = False, **kwargs) -> cf.Future:
         return call_actor(self.placement[name], name, method, args, kwargs, timeout, ns=self.ns)
 
     def spawn(self, name: str, factory, args: tuple, worker: str, timeout: float = 60.0) -> None:

@@ -15,6 +15,7 @@ import signal
 
 from ..errors import ConfigError
 from .checkpoint_store import CheckpointStore
+from .refs import ActorRef
 
 __all__ = ["resolve", "role_pid", "kill_role", "kill_roles", "kill_spare", "freeze_role", "thaw", "corrupt_newest"]
 
@@ -28,7 +29,8 @@ def resolve(job, role: str) -> str:
     job = _job(job)
     if role == "planner":
         return job.planner_name
-    info = job._call(job.planner_name, "roles").result(job.timeout + 5)
+    info = job.planner.roles().result(job.timeout + 5)
+    job.transport.learn(info["where"])
     kind, _, name = role.partition(":")
     if kind == "loader" and name in info["loaders"]:
         return info["loaders"][name]
@@ -44,7 +46,7 @@ def role_pid(job, role: str) -> int:
     """Process id of the worker hosting ``role``."""
     job = _job(job)
     actor = resolve(job, role)
-    return int(job._call(actor, "process").result(job.timeout + 5)["pid"])
+    return int(ActorRef(job.transport, actor, job.timeout).process().result(job.timeout + 5)["pid"])
 
 
 def kill_role(job, role: str) -> int:
@@ -55,21 +57,13 @@ def kill_role(job, role: str) -> int:
 def kill_roles(job, roles: list[str]) -> list[int]:
     """Kill several roles at once (all are found before any dies); returns their pids."""
     job = _job(job)
-    actors = [resolve(job, r) for r in roles]
-    if hasattr(job.transport, "kill"):       # in-process: no process of its own
-        for a in actors:
-            job.transport.kill(a)
-        return [os.getpid()] * len(actors)
-    pids = [int(job._call(a, "process").result(job.timeout + 5)["pid"]) for a in actors]
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    return pids
+    return job.transport.kill([resolve(job, r) for r in roles])
 
 
 def kill_spare(job, i: int) -> int:
     """SIGKILL spare process ``i`` (as listed in ``stats()["spares"]``), whatever it hosts; returns its pid."""
     job = _job(job)
-    pids = getattr(job.transport, "worker_pids", [])[job.n_workers:]
+    pids = job.transport.worker_pids[job.n_workers:]
     if not 0 <= i < len(pids):
         raise ConfigError(f"no spare process {i}: this job has {len(pids)} spare processes")
     os.kill(pids[i], signal.SIGKILL)

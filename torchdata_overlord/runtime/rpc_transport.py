@@ -184,7 +184,7 @@ class RpcTransport(Transport):
         with self._lock:
             self._placement.update({str(k): int(v) for k, v in placement.items()})
 
-    def call(self, name: str, method: str, *args, timeout: float, **kwargs) -> cf.Future:
+    def call(self, name: str, method: str, *args, timeout: float, direct: bool = False, **kwargs) -> cf.Future:
         timeout = check_timeout(timeout)
         with self._lock:
             if self._closed:
@@ -213,6 +213,28 @@ class RpcTransport(Transport):
     def worker_of(self, name: str) -> int:
         """The 0-based worker index hosting actor ``name``."""
         return self._placement[name]
+
+    def worker_name(self, i: int) -> str:
+        return W.worker_name(i)
+
+    def learn(self, where: dict[str, str]) -> None:
+        self.place({a: W.worker_index(w) for a, w in where.items()})
+
+    def kill(self, names: list[str]) -> list[int]:
+        """SIGKILL the worker processes hosting actors ``names`` (every actor they host dies)."""
+        import os
+        import signal
+        pids = [int(self.call(n, "process", timeout=self.rpc_timeout).result(self.rpc_timeout + 5)["pid"])
+                for n in names]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        return pids
+
+    def host(self, name: str, obj: object) -> None:
+        W._actor(self.key(name)).set(obj)
+
+    def call_client(self, client: int, name: str, method: str, *args, timeout: float) -> cf.Future:
+        return W.call_actor(W.client_name(client), name, method, args, {}, timeout, ns=self.ns)
 
     @property
     def worker_pids(self) -> list[int]:

@@ -17,6 +17,10 @@ Contract, for every transport:
   rebuilt, and a note naming the actor and method) when the method raised.
 * A method may return a :class:`concurrent.futures.Future`: the call is then answered when that
   completes, and the actor runs its next call meanwhile (e.g. "this step, once it is built").
+* ``call(..., direct=True)`` says the caller is about to wait for the answer and the method waits
+  on no actor the caller is running: a transport may then run it on the caller's thread when the
+  actor has nothing else queued (in one process this saves a thread hand-over per hop; order and
+  one-call-at-a-time still hold). Other transports ignore it.
 * ``stop()`` is idempotent and bounded by timeouts.
 """
 
@@ -69,12 +73,14 @@ class Transport(ABC):
     """Start named actors and call their methods; see the module docstring for the contract."""
 
     @abstractmethod
-    def start_actor(self, name: str, factory: Callable[..., object], *args, **kwargs) -> None:
-        """Create ``factory(*args, **kwargs)`` as actor ``name`` (waits until it exists)."""
+    def start_actor(self, name: str, factory: Callable[..., object], *args, worker: int | None = None,
+                    **kwargs) -> None:
+        """Create ``factory(*args, **kwargs)`` as actor ``name`` on worker ``worker`` (waits until it exists)."""
 
     @abstractmethod
-    def call(self, name: str, method: str, *args, timeout: float, **kwargs) -> cf.Future:
-        """Call ``actor.method(*args, **kwargs)``; the future's result is the return value."""
+    def call(self, name: str, method: str, *args, timeout: float, direct: bool = False, **kwargs) -> cf.Future:
+        """Call ``actor.method(*args, **kwargs)``; the future's result is the return value (``direct``:
+        see the module docstring)."""
 
     @abstractmethod
     def is_alive(self, name: str) -> bool:
@@ -88,6 +94,55 @@ class Transport(ABC):
     def peers(self):
         """A handle with this ``call`` that actors can hold to call each other (picklable where the
         actors live in other processes)."""
+
+    # -- placement: where actors live (one process: nowhere to choose; the defaults say so) ------
+    n_workers: int = 1
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the role workers this process started (none in one process)."""
+        return []
+
+    def place(self, placement: dict[str, int]) -> None:
+        """Record which worker (0-based) hosts each actor, before it starts or as another member says."""
+
+    def learn(self, where: dict[str, str]) -> None:
+        """Placement news from a role: actor -> worker name (a replacement started on a spare)."""
+
+    def worker_of(self, name: str) -> int:
+        """The 0-based worker hosting actor ``name``."""
+        return 0
+
+    def worker_name(self, i: int) -> str:
+        """The name of worker ``i``, as roles and :meth:`learn` use it."""
+        return f"in-process-worker-{i}"
+
+    def kill(self, names: list[str]) -> list[int]:
+        """Failure injection: the workers hosting actors ``names`` die at once (all found before any dies;
+        in one process, the actors alone); returns their process ids."""
+        raise NotImplementedError
+
+    # -- membership: other clients and a coordinator (one process: none) ------------------------
+    def host(self, name: str, obj: object) -> None:
+        """Serve ``obj`` as actor ``name`` from this process (e.g. the leader's Planner registry)."""
+        self.start_actor(name, lambda: obj)
+
+    def call_client(self, client: int, name: str, method: str, *args, timeout: float) -> cf.Future:
+        """Call actor ``name`` hosted by client ``client`` with :meth:`host`."""
+        return self.call(name, method, *args, timeout=timeout)
+
+    def leave(self, timeout: float) -> None:
+        """Tell the job's coordinator this client leaves (a launched job; elsewhere nothing to do)."""
+
+    def wait_for_clients(self, timeout: float) -> list[int]:
+        """Client 0: wait (bounded) until the other clients left; the clients still there."""
+        return []
+
+    def on_stopped(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` if the job's coordinator stops it (a launched job)."""
+
+    def mark_unhealthy(self) -> None:
+        """Some member may be dead or frozen: give the workers less time when the group ends."""
 
     def __enter__(self):
         return self
@@ -173,9 +228,11 @@ class _ActorThread:
 
     _STOP = object()
 
-    def __init__(self, name: str, obj: object):
+    def __init__(self, name: str, obj: object, guard: threading.Lock):
         self.name, self.obj, self.killed = name, obj, False
         self.deferred: set[cf.Future] = set()      # answers still owed (a killed actor owes none)
+        self.running = threading.Lock()            # held while one of its calls runs, on any thread
+        self.guard, self.pending = guard, 0        # calls queued and not finished (under ``guard``)
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"overlord-actor-{name}", daemon=True)
         self.thread.start()
@@ -185,24 +242,42 @@ class _ActorThread:
             item = self.queue.get()
             if item is self._STOP:
                 self._fail_queued()
+                if self.killed:
+                    self._release()
                 return
-            fut, method, args, kwargs = item
-            if fut.cancelled():
-                continue
-            if self.killed:
-                settle(fut, exc=ActorDied(f"actor {self.name!r} was killed ({method}())", self.name))
-                continue
-            try:
-                result = getattr(self.obj, method)(*args, **kwargs)
-            except BaseException as e:       # noqa: BLE001 - delivered to the caller
-                settle(fut, exc=name_exception(e, self.name, method))
+            with self.running:
+                self.execute(*item)
+            with self.guard:
+                self.pending -= 1
+
+    def execute(self, fut: cf.Future, method: str, args: tuple, kwargs: dict) -> None:
+        """Run one call (holding ``running``) and answer ``fut``."""
+        if fut.cancelled():
+            return
+        if self.killed:
+            settle(fut, exc=ActorDied(f"actor {self.name!r} was killed ({method}())", self.name))
+            return
+        try:
+            result = getattr(self.obj, method)(*args, **kwargs)
+        except BaseException as e:       # noqa: BLE001 - delivered to the caller
+            settle(fut, exc=name_exception(e, self.name, method))
+        else:
+            if isinstance(result, cf.Future):        # deferred: answered when it completes
+                self.deferred.add(fut)
+                fut.add_done_callback(self.deferred.discard)
+                result.add_done_callback(lambda f, fut=fut, m=method: _forward(f, fut, self.name, m))
             else:
-                if isinstance(result, cf.Future):        # deferred: answered when it completes
-                    self.deferred.add(fut)
-                    fut.add_done_callback(self.deferred.discard)
-                    result.add_done_callback(lambda f, fut=fut, m=method: _forward(f, fut, self.name, m))
-                else:
-                    settle(fut, result)
+                settle(fut, result)
+
+    def _release(self) -> None:
+        """A killed actor frees what its object holds (thread pools, files), as a dead process would:
+        nobody calls its ``close()`` otherwise, and its threads would outlive the job."""
+        close = getattr(self.obj, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:            # noqa: BLE001 - the actor is dead; its clean-up is best effort
+                pass
 
     def _fail_queued(self) -> None:
         while True:
@@ -237,15 +312,16 @@ class InProcessTransport(Transport):
         self._closed = False
         self._deadlines = Deadlines("overlord-inprocess-deadlines")
 
-    def start_actor(self, name: str, factory: Callable[..., object], *args, **kwargs) -> None:
+    def start_actor(self, name: str, factory: Callable[..., object], *args, worker: int | None = None,
+                    **kwargs) -> None:
         with self._lock:
             if self._closed:
                 raise TransportClosed(f"cannot start actor {name!r}: the transport is stopped")
             if name in self._actors:
                 raise ConfigError(f"an actor named {name!r} already exists")
-            self._actors[name] = _ActorThread(name, factory(*args, **kwargs))
+            self._actors[name] = _ActorThread(name, factory(*args, **kwargs), self._lock)
 
-    def call(self, name: str, method: str, *args, timeout: float, **kwargs) -> cf.Future:
+    def call(self, name: str, method: str, *args, timeout: float, direct: bool = False, **kwargs) -> cf.Future:
         timeout = check_timeout(timeout)
         with self._lock:
             if self._closed:
@@ -257,7 +333,17 @@ class InProcessTransport(Transport):
             if name in self._killed:
                 fut.set_exception(ActorDied(f"actor {name!r} was killed ({method}())", name))
                 return fut
-            actor.queue.put((fut, method, args, kwargs))
+            inline = direct and actor.pending == 0 and not actor.killed and actor.running.acquire(blocking=False)
+            if not inline:
+                actor.pending += 1
+                actor.queue.put((fut, method, args, kwargs))
+        if inline:                 # idle, and the caller waits anyway: run it here, no thread hand-over
+            try:
+                actor.execute(fut, method, args, kwargs)
+            finally:
+                actor.running.release()
+            if fut.done():
+                return fut         # else deferred: answered later, under the same deadline as any call
         self._deadlines.add(fut, timeout, lambda: CallTimeout(
             f"{name}.{method}() got no answer within its timeout of {timeout:g} s", name))
         return fut
@@ -268,6 +354,10 @@ class InProcessTransport(Transport):
 
     def peers(self) -> "InProcessTransport":
         return self
+
+    def actor(self, name: str) -> object:
+        """The object behind actor ``name`` (instrumenting and debugging: in this process only)."""
+        return self._actors[name].obj
 
     # the peers interface actors use to replace each other (see RpcPeers)
     def spawn(self, name: str, factory: Callable[..., object], args: tuple, worker: str | None = None) -> None:
@@ -287,15 +377,18 @@ class InProcessTransport(Transport):
     def learn(self, where: dict) -> None:
         """Placement news from another actor: nothing to learn in one process."""
 
-    def kill(self, name: str) -> None:
-        """Failure injection: actor ``name`` dies; its queued and future calls fail with ActorDied."""
-        with self._lock:
-            actor = self._actors[name]
-            self._killed.add(name)
-            actor.killed = True
-        actor.queue.put(_ActorThread._STOP)
-        for fut in list(actor.deferred):     # as a dead process's pending answers: the callers learn at once
-            settle(fut, exc=ActorDied(f"actor {name!r} was killed", name))
+    def kill(self, names: list[str]) -> list[int]:
+        """Failure injection: actors ``names`` die; their queued and future calls fail with ActorDied."""
+        import os
+        for name in names:
+            with self._lock:
+                actor = self._actors[name]
+                self._killed.add(name)
+                actor.killed = True
+            actor.queue.put(_ActorThread._STOP)
+            for fut in list(actor.deferred):     # as a dead process's pending answers: the callers learn at once
+                settle(fut, exc=ActorDied(f"actor {name!r} was killed", name))
+        return [os.getpid()] * len(names)
 
     def stop(self) -> None:
         import time

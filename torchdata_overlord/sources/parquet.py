@@ -29,19 +29,13 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ..errors import ConfigError, OverlordError
+from ..errors import ConfigError
+from .base import SKIPPED, SourceReadError
 from .skip_log import SkipLog
 
-__all__ = ["ParquetSource", "SourceReadError"]
+__all__ = ["ParquetSource", "SourceReadError", "SKIPPED"]
 
 _CHUNK = 64  # rows converted to Python at once: amortises to_pylist without holding a second copy
-
-
-SKIPPED = object()  # what apply() returns for a sample skipped under on_error="skip"
-
-
-class SourceReadError(OverlordError, RuntimeError):
-    """Reading a row group or transforming a sample failed during iteration (on_error="raise")."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,8 +121,9 @@ class _File(NamedTuple):
     path: str
     shown: str
     size: int
-    meta: pq.FileMetaData
+    groups: tuple            # rows of each row group (a text file: one group, the whole file)
     names: list[str]
+    meta: pq.FileMetaData | None = None
 
 
 def _open_meta(fs: pafs.FileSystem, path: str, shown: str) -> _File:
@@ -137,7 +132,9 @@ def _open_meta(fs: pafs.FileSystem, path: str, shown: str) -> _File:
         size = fs.get_file_info(path).size
         with fs.open_input_file(path) as f:
             pf = pq.ParquetFile(f)
-            return _File(fs, path, shown, int(size), pf.metadata, list(pf.schema_arrow.names))
+            meta = pf.metadata
+            groups = tuple(meta.row_group(rg).num_rows for rg in range(meta.num_row_groups))
+            return _File(fs, path, shown, int(size), groups, list(pf.schema_arrow.names), meta)
     except (pa.ArrowException, OSError) as e:
         raise ConfigError(f"{shown}: not a readable Parquet file ({type(e).__name__}: {e}); "
                           f"remove it from the source or pass on_error='skip'") from e
@@ -160,7 +157,8 @@ def _columns(columns, transform) -> list[str] | None:
 # --------------------------------------------------------------------------------------------
 
 class ParquetSource:
-    """One source's Parquet files as an iterator of ``(sample_key, record)``, resumable exactly.
+    """One source's Parquet files as an iterator of ``(sample_key, record)``, resumable exactly
+    (a :class:`~torchdata_overlord.sources.base.Source`).
 
     ``paths``: a glob, a file, a directory, a ``pyarrow.fs`` URI (``"file:///d/*.parquet"``,
     ``"s3://b/k/*.parquet"``) or a list of those; with ``filesystem=`` they are paths inside that
@@ -174,6 +172,8 @@ class ParquetSource:
     transform raises (on_error="raise") the position stays on that sample, so a state taken then
     resumes at it.
     """
+
+    FORMAT = "Parquet"
 
     def __init__(self, name: str, paths, transform: Callable[[dict], Any] | None = None, columns=None,
                  shuffle: bool = True, seed: int = 0, epochs: int | None = None, on_error: str = "raise",
@@ -201,12 +201,36 @@ class ParquetSource:
 
     # ---- setup ------------------------------------------------------------------------------
 
+    def _open_file(self, fs: pafs.FileSystem, path: str, shown: str) -> _File:
+        """One file's row-group sizes and columns (a Parquet footer); ConfigError naming it if unreadable."""
+        return _open_meta(fs, path, shown)
+
+    def _read_group(self, f: _File, rg: int) -> pa.Table:
+        """Row group ``rg`` of ``f``, projected (the file stays open until the next file is read)."""
+        if self._handle is None or self._handle[0] is not f:
+            self._close_file()
+            raw = f.fs.open_input_file(f.path)
+            self._handle = (f, raw, pq.ParquetFile(raw, metadata=f.meta))
+        return self._handle[2].read_row_group(rg, columns=self.columns)
+
+    def spec_args(self) -> tuple[Any, Any, dict]:
+        """``(paths, transform, kwargs)`` to build this source again in another process: for local
+        files the resolved :attr:`files` (exactly the same files in the same order); for URIs or a
+        ``filesystem=`` (pyarrow filesystems pickle) the paths as given, resolved again there (the
+        state's file fingerprint then refuses a file set that changed)."""
+        kwargs = dict(columns=self.columns, shuffle=self.shuffle, seed=self.seed, epochs=self.epochs,
+                      on_error=self.on_error, skip_log_interval=self.skip_log_interval)
+        paths = list(self.files)
+        if self.filesystem is not None or any("://" in f for f in self.files):
+            paths, kwargs["filesystem"] = self.paths, self.filesystem
+        return paths, self.transform, kwargs
+
     def _open_all(self, resolved) -> list[_File]:
         """Open every file's footer now, so bad files and missing columns fail before iteration."""
         files = []
         for fs, path, shown in resolved:
             try:
-                f = _open_meta(fs, path, shown)
+                f = self._open_file(fs, path, shown)
             except ConfigError as e:
                 if self.on_error == "raise":
                     raise ConfigError(f"source {self.name!r}: {e}") from e.__cause__
@@ -237,24 +261,23 @@ class ParquetSource:
         offset = 0
         for fi, f in enumerate(self._files):
             first = 0
-            for rg in range(f.meta.num_row_groups):
-                n = f.meta.row_group(rg).num_rows
+            for rg, n in enumerate(f.groups):
                 if n:
                     ufile.append(fi); urg.append(rg); urows.append(n); ufirst.append(first); uoffset.append(offset)
                 first += n
-            offset += f.meta.num_rows
+            offset += sum(f.groups)
         if offset == 0:
             skipped = self.skips.entries
             first = f"; first skipped: {skipped[0]['file']}: {skipped[0]['error']}" if skipped else ""
             raise ConfigError(f"source {self.name!r} has no rows ({len(self._files)} usable file(s), "
-                              f"{len(skipped)} skipped{first}); point it at non-empty Parquet files")
+                              f"{len(skipped)} skipped{first}); point it at non-empty {self.FORMAT} files")
         self.num_rows = offset  # rows per epoch
         self._ufile, self._urg = np.asarray(ufile, np.int64), np.asarray(urg, np.int64)
         self._urows, self._ufirst = np.asarray(urows, np.int64), np.asarray(ufirst, np.int64)
         self._uoffset = np.asarray(uoffset, np.int64)  # key = offset of the file + row within the file
         self._fingerprint = {
             "name": self.name, "seed": self.seed, "shuffle": self.shuffle, "columns": self.columns,
-            "files": [[f.shown, f.size, f.meta.num_rows] for f in self._files]}
+            "files": [[f.shown, f.size, sum(f.groups)] for f in self._files]}
 
     # ---- position ---------------------------------------------------------------------------
 
@@ -330,7 +353,8 @@ class ParquetSource:
     def __next__(self) -> tuple[int, Any]:
         since = self.rows_passed
         while True:
-            key, row, where = self.next_raw()
+            _, row, where = self.next_raw()
+            key = where[2]
             try:
                 out = self.apply(row, where)
             except SourceReadError:
@@ -342,7 +366,8 @@ class ParquetSource:
             self.check_progress(since)
 
     def next_raw(self) -> tuple[int, dict, tuple[str, int, int, int]]:
-        """The next row before the transform, with ``(file, row, key, epoch)`` for :meth:`apply`.
+        """``(index, row, where)``: the next row before the transform; ``index = epoch * num_rows + key``
+        (unique over the run), ``where = (file, row, key, epoch)`` for :meth:`apply`.
 
         Reading is sequential and cheap; a Source Loader runs :meth:`apply` on a worker pool.
         """
@@ -392,11 +417,7 @@ class ParquetSource:
         """Decode unit ``u``'s row group (the only one held). False if it was skipped as unreadable."""
         f, rg = self._files[int(self._ufile[u])], int(self._urg[u])
         try:
-            if self._handle is None or self._handle[0] is not f:
-                self._close_file()
-                raw = f.fs.open_input_file(f.path)
-                self._handle = (f, raw, pq.ParquetFile(raw, metadata=f.meta))
-            self._table = self._handle[2].read_row_group(rg, columns=self.columns)
+            self._table = self._read_group(f, rg)
         except (pa.ArrowException, OSError) as e:
             first = int(self._ufirst[u])
             if self.on_error == "raise":
@@ -422,7 +443,7 @@ class ParquetSource:
         key = int(self._uoffset[u]) + r
         self._row += 1
         self.rows_passed += 1
-        return key, row, (self._files[int(self._ufile[u])].shown, r, key, self.epoch)
+        return self.epoch * self.num_rows + key, row, (self._files[int(self._ufile[u])].shown, r, key, self.epoch)
 
     @property
     def skipped(self) -> list[dict]:

@@ -1,0 +1,272 @@
+"""The trainer's side of a job: ask the Data Constructors for each step, and keep what was consumed.
+
+A client asks only its constructor(s) (``fetch``): the answer is the step's outputs for the wanted
+ranks, the job's state after the step and, for the leader (client 0), the plan. The leader's request
+carries its feedback and is the one that makes the Planner plan the step. Which constructor serves
+a rank is learned from the answers (``routing``); until then a rank is asked of constructor
+``dp % n``, which passes on what another constructor builds. A request that fails because a role
+failed is asked again once the role is replaced (see :mod:`.client_recovery`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from ..errors import ConfigError
+from .client_recovery import ClientRecovery, JobStopped
+from .client_stats import closed_stats, job_stats, serving, snapshot
+from .feedback import FeedbackLog
+from .job_config import RoleConfig
+from .refs import PLANNER, ActorRef, ConstructorRef, PlannerRef, constructor_actor, loader_actor
+from .step import JobReset, JobState
+from .transport import Transport, check_timeout, settle
+
+__all__ = ["Job", "StepResult"]
+log = logging.getLogger("torchdata_overlord")
+
+
+@dataclass
+class StepResult:
+    step: int
+    plan: object | None        # the step's Plan (the leader's answers carry it)
+    outputs: dict              # rank -> what that client receives (see DataConstructor.build)
+    state: dict | None = None  # the job's state after this step
+
+
+class _Request:
+    """One step a client asked for, until it is answered (asked again after a failure)."""
+
+    def __init__(self, step: int, wanted: list, consumed: int):
+        self.step, self.wanted, self.consumed = step, wanted, consumed
+        self.out: cf.Future = cf.Future()
+        self.out.step, self.out.delayed = step, False   # delayed: a role's failure held this step up
+        self.attempt, self.gen_seen = 0, -1
+        self.first_failure: float | None = None
+
+
+class Job(ClientRecovery):
+    """One client of a job's roles, whatever runs them (:class:`~.local.LocalJob`, :class:`~.rpc_job.RpcJob`):
+    ``submit``/``step`` the next step, ``state_dict``/``load_state_dict``, ``add_feedback``, ``stats``, ``close``."""
+
+    PLANNER, LOADERS, FEEDBACK = JobState.PLANNER, JobState.LOADERS, JobState.FEEDBACK
+
+    def __init__(self, cfg: RoleConfig, *, timeout: float, recovery_timeout: float, n_workers: int, spares: int):
+        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+            raise ConfigError(f"spares must be an integer >= 0, got {spares!r}")
+        self.cfg, self.mesh, self.names, self.timeout = cfg, cfg.mesh, cfg.names, float(timeout)
+        self.n_workers, self.spares = n_workers, spares
+        self.recovery_timeout = check_timeout(recovery_timeout)
+        self.planner_name = PLANNER
+        self.faults = {"failures": [], "recoveries": [], "reissued": 0}
+        self._requests: dict[int, _Request] = {}        # step -> request not yet answered
+        self._recovery_lock = threading.RLock()      # _recover asks the Planner, which may need recovering
+        self._recovery = cf.ThreadPoolExecutor(1, thread_name_prefix="overlord-recovery")
+        self._closed = False
+        self._own_transport, self._launched = True, False
+        self._gen: int | None = None
+        self._next = 0
+        self._feedback = FeedbackLog()      # the leader's feedback, until every client consumed its step
+        self._constructors = [constructor_actor(c) for c in range(cfg.constructors)]
+        self._routing: dict[int, int] = {}  # rank -> the constructor that served it last
+        self.transport: Transport | None = None
+        self.client = 0
+        self.fetches = 0                    # constructor fetch calls this client made
+        self._registry = None               # the leader tells the other clients where a new Planner is
+        self._planners = 0                  # replacement Planners started
+        self._stopped: str | None = None    # why the launcher stopped the job, once it did
+        self._final_stats: dict | None = None
+        self._running = False               # every role started
+
+    def _connected(self) -> None:
+        """Every role is started (or joined): listen for the coordinator stopping the job."""
+        self.transport.on_stopped(self._on_stopped)
+        self._running = True
+
+    def _on_stopped(self, reason: str) -> None:
+        """The launcher stopped the job (another trainer died, Ctrl-C...): every step asked for fails
+        with JobStopped saying why, now and later."""
+        self._stopped = reason
+        for req in list(self._requests.copy().values()):
+            settle(req.out, exc=JobStopped(reason))
+
+    @property
+    def planner(self) -> PlannerRef:
+        return PlannerRef(self.transport, self.planner_name, self.timeout)
+
+    @property
+    def wait_timeout(self) -> float:
+        """How long a step request may take: the Planner may be replacing a loader meanwhile (it
+        waits up to twice the call timeout for a frozen one), so a few call timeouts."""
+        return 4 * self.timeout
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this client's feedback and loaded states drive the job (client 0)."""
+        return self.client == 0
+
+    @property
+    def step_index(self) -> int:
+        return self._next
+
+    def _attach(self, state: Mapping | None, step: int) -> None:
+        """(Re)start at ``step``: the steps asked for before are abandoned (they fail with JobReset, and
+        are never reissued into the new start, where their consumed positions would release its steps)."""
+        with self._recovery_lock:           # not while a recovery learns a generation
+            old, self._requests = self._requests, {}
+            for req in old.values():
+                settle(req.out, exc=JobReset(f"step {req.step} was asked for before the job restarted at step {step}"))
+            reply = self.planner.attach(self.client, state if self.is_leader else None, step).result(self.timeout + 5)
+            self._gen, self._next = reply["gen"], reply["step"]
+
+    def add_feedback(self, step: int, values: Mapping[str, float]) -> None:
+        """Feedback for the plan of ``step`` (not yet asked for), sent with the leader's request for it;
+        other clients' feedback is not used (the trainer ranks are expected to agree on it)."""
+        if self.is_leader:
+            self._feedback.add(step, values, self._next)
+
+    # -- requests -----------------------------------------------------------------------------
+    def submit(self, ranks: Iterable[int] | None = None, consumed: int | None = None) -> cf.Future:
+        """Ask for the next step for ``ranks`` (all when None); a future of its :class:`StepResult`.
+        ``consumed``: steps this client has consumed (default: all before this one), so the roles can
+        free what every client has used. The future's ``delayed`` is True when a failure held it up."""
+        if self._stopped is not None:
+            raise JobStopped(self._stopped)
+        if self._gen is None:
+            self._attach(None, self._next)
+        step = self._next
+        self._next += 1
+        wanted = list(range(self.mesh.world_size)) if ranks is None else [self.mesh._check_rank(int(r)) for r in ranks]
+        req = _Request(step, wanted, step if consumed is None else int(consumed))
+        self._requests[step] = req
+        self._issue(req)
+        return req.out
+
+    def _constructor_of(self, rank: int) -> int:
+        got = self._routing.get(rank, -1)
+        return got if got >= 0 else self.mesh.coords(rank).get("dp", 0) % len(self._constructors)
+
+    def _issue(self, req: _Request) -> None:
+        req.attempt += 1
+        attempt, gen = req.attempt, self._gen
+        by_c: dict[int, list] = {}
+        for r in req.wanted:
+            by_c.setdefault(self._constructor_of(r), []).append(r)
+        parts = []
+        try:
+            for i, (c, rs) in enumerate(sorted(by_c.items())):
+                lead = self.is_leader and i == 0
+                ref = ConstructorRef(self.transport, self._constructors[c], self.timeout)
+                parts.append(ref.fetch(gen, req.step, rs, self.client, req.consumed, lead,
+                                       self._feedback.state() if lead else (), lead, timeout=self.wait_timeout))
+            self.fetches += len(parts)
+        except BaseException as e:          # noqa: BLE001
+            self._failed(req, attempt, gen, e)
+            return
+        remaining, failed, lock = [len(parts)], [], threading.Lock()
+
+        def finish():
+            answers = [p.result(0) for p in parts]
+            outputs, plan = {}, None
+            for a in answers:
+                outputs.update(a["outputs"])
+                self._routing.update(a["routing"])
+                plan = plan or a["plan"]
+                req.out.delayed = req.out.delayed or a["delayed"]
+            if self.is_leader:              # a rewind replans from where every client is: keep the rest
+                self._feedback.drop_through(min(a["released"] for a in answers) - 1)
+            res = StepResult(req.step, plan, {r: outputs[r] for r in req.wanted}, answers[0]["state"])
+            if attempt == req.attempt and settle(req.out, res):
+                self._requests.pop(req.step, None)
+
+        def on_part(p):
+            # a failed part is acted on at once: the other constructors' parts may wait for the failed
+            # one (the leader's fetch plans the step), so waiting for them all would wait out their timeout
+            with lock:
+                remaining[0] -= 1
+                first_failure = p.exception() is not None and not failed
+                if first_failure:
+                    failed.append(p.exception())
+                done = not remaining[0] and not failed
+            if first_failure:
+                self._failed(req, attempt, gen, failed[0])
+            elif done:
+                finish()
+
+        for p in parts:
+            p.add_done_callback(on_part)
+
+    def step(self, ranks: Iterable[int] | None = None) -> StepResult:
+        """Plan and build the next step for ``ranks`` (all ranks when None)."""
+        return self.submit(ranks).result(self.timeout + self.recovery_timeout + 10)
+
+    # -- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The job's state at the Planner's current position (no step in flight)."""
+        return self._ask_planner(lambda p: p.state_dict())
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restart at ``state`` (the leader resets every role; another client checks it starts at the
+        same step as the leader)."""
+        theirs, ours = set(state[self.LOADERS]), set(self.names)
+        if theirs != ours:
+            raise ConfigError(f"state has sources {sorted(theirs)}, this job has {sorted(ours)}")
+        self._feedback = FeedbackLog(state.get(self.FEEDBACK, []))
+        self._attach(dict(state), JobState.step(state))
+
+    def stats(self) -> dict:
+        """Per-source loader stats, Planner and constructor queue depths, recoveries, each role's process
+        and memory, and this client's failures and reissued requests. Roles keep their names after a
+        recovery (``"roles"``: role -> its current pid; ``"role_recovery"``: role -> the actor serving it,
+        its pid and how many times a replacement took it over). A role that does not answer within the
+        call timeout (busy with a long fill, or failed) is listed in ``"unanswered"`` and its entry is
+        ``{"error": ...}``: diagnostics never stop the training loop. After :meth:`close`: the roles'
+        stats as the close began (they are gone), this client's final ones, and ``"closed": True``."""
+        return closed_stats(self) if self._closed else job_stats(self)
+
+    def close(self) -> None:
+        """Leave the job, first keeping what :meth:`stats` says (bounded). A client of a launched job
+        tells the launcher and leaves, another client of a trainer group just leaves; client 0 of a
+        job it started first waits (up to the timeout) for the other clients to close it, then closes
+        the roles (bounded, errors ignored) and stops the workers (unless another job shares them)."""
+        if self._closed:
+            return
+        self._final_stats = snapshot(self)
+        self._closed = True
+        self._recovery.shutdown(wait=False, cancel_futures=True)
+        try:
+            if self.transport is not None and self._stopped is None:
+                self.transport.leave(self.timeout)
+            if self.transport is not None and self.client == 0 and not self._launched:
+                self._close_roles()
+        finally:
+            if self._own_transport and self.transport is not None:
+                self.transport.stop()
+
+    def _close_roles(self) -> None:
+        missing = self.transport.wait_for_clients(self.timeout)
+        if missing:
+            log.warning("closing the roles while client(s) %s have not left after %g s", missing, self.timeout)
+        try:
+            actors = list(serving(self)[0].values())
+            replaced = self.planner.stats().result(self.timeout)["recoveries"]
+            if replaced or self.faults["recoveries"]:
+                self.transport.mark_unhealthy()      # a replaced role may be frozen: no graceful wait
+        except Exception:            # noqa: BLE001 - the Planner may be gone: close what we know
+            actors = [self.planner_name] + [loader_actor(n) for n in self.names] + list(self._constructors)
+        futs = []
+        for a in actors:
+            try:
+                futs.append(ActorRef(self.transport, a, self.timeout).close())
+            except Exception:        # noqa: BLE001 - the actor may never have started
+                pass
+        cf.wait(futs, timeout=self.timeout + 5)
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

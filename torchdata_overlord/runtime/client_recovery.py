@@ -1,0 +1,188 @@
+"""A client's side of recovery: ask again after a role failed, replace a lost Planner, follow the leader's.
+
+A request that fails because a role died or froze (or because the job moved to a new generation
+meanwhile) is asked again once the role is replaced: a Data Constructor by the Planner
+(``report_failure``), the Planner by the leader client (client 0), which starts a new one on a spare
+and tells the other clients through its :class:`PlannerRegistry`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+
+from ..errors import OverlordError
+from .fault_policy import FAILURES, RoleLost
+from .planner_actor import PlannerActor
+from .recovery_store import PLANNER_KEY
+from .refs import PLANNER, REGISTRY, PlannerRef, RegistryRef
+from .spares import serving, spare_order
+from .step import JobReset
+from .transport import ActorDied, CallTimeout, settle
+
+__all__ = ["ClientRecovery", "PlannerRegistry", "JobStopped"]
+
+RECOVERABLE = (JobReset, ActorDied, CallTimeout)
+
+
+class JobStopped(OverlordError, RuntimeError):
+    """The job's coordinator (the launcher) stopped every role, and says why (e.g. another trainer died)."""
+
+
+class PlannerRegistry:
+    """Hosted by the leader client: where the Planner is, so the other clients follow a replacement."""
+
+    def __init__(self, name: str, worker: str):
+        self.current = {"name": name, "worker": worker}
+        self.lock = threading.Condition()
+
+    def moved(self, name: str, worker: str) -> None:
+        with self.lock:
+            self.current = {"name": name, "worker": worker}
+            self.lock.notify_all()
+
+    def planner_after(self, old: str, timeout: float) -> cf.Future:
+        """The Planner once it is no longer ``old`` (None after ``timeout`` seconds): answered later."""
+        out: cf.Future = cf.Future()
+
+        def wait():
+            with self.lock:
+                self.lock.wait_for(lambda: self.current["name"] != old, timeout=timeout)
+                settle(out, dict(self.current) if self.current["name"] != old else None)
+
+        threading.Thread(target=wait, name="overlord-registry-wait", daemon=True).start()
+        return out
+
+
+class ClientRecovery:
+    """Mixed into :class:`~.client.Job`: what a client does when a request fails."""
+
+    def _failed(self, req, attempt: int, gen: int, err: BaseException) -> None:
+        if attempt != req.attempt or req.out.done():
+            return                          # an older attempt; a newer one is on its way
+        if not isinstance(err, RECOVERABLE):
+            settle(req.out, exc=err)
+            return
+        self.faults["failures"].append({"step": req.step, "error": f"{type(err).__name__}: {str(err)[:200]}",
+                                        "actor": getattr(err, "actor", None)})
+        if req.first_failure is None:
+            req.first_failure = time.monotonic()
+        try:
+            self._recovery.submit(self._recover_and_reissue, req, attempt, gen, err)
+        except RuntimeError:                # closed
+            settle(req.out, exc=err)
+
+    def _recover_and_reissue(self, req, attempt: int, gen: int, err: BaseException) -> None:
+        if attempt != req.attempt or req.out.done() or self._closed:
+            return
+        try:
+            with self._recovery_lock:
+                if self._gen == gen:         # nobody recovered from this failure yet
+                    self._recover(err, req.step)
+            if time.monotonic() - req.first_failure > self.recovery_timeout:
+                raise RoleLost(f"step {req.step} could not be delivered within recovery_timeout="
+                               f"{self.recovery_timeout:g} s after a failure ({err})")
+        except BaseException as e:          # noqa: BLE001 - the trainer's next() raises it
+            settle(req.out, exc=e)
+            return
+        self.faults["reissued"] += 1
+        req.out.delayed = True
+        for other in sorted(self._requests.values(), key=lambda r: r.step):   # everything of the old generation
+            if other.out.done() or (other is not req and other.gen_seen >= self._gen):
+                continue
+            other.gen_seen = self._gen
+            self._issue(other)
+
+    def _recover(self, err: BaseException, step: int) -> None:
+        """Replace what failed (the Planner: the leader; a constructor: the Planner), then learn the
+        new generation and where the roles are."""
+        t0, planner = time.monotonic(), self.planner_name
+        actor = getattr(err, "actor", None)
+        how = "new generation"
+        if actor == self.planner_name:
+            self._planner_lost(err)
+            how = "replaced the Planner" if self.is_leader else "learned the leader's new Planner"
+        elif actor is not None and actor.startswith("constructor") and not isinstance(err, JobReset):
+            self._ask_planner(lambda p: p.report_failure(actor, step, timeout=self.recovery_timeout),
+                              self.recovery_timeout)
+            how = "constructor replaced by the Planner"
+        info = self._ask_planner(lambda p: p.generation())       # may find the Planner lost, and follow it
+        if self.planner_name != planner and how == "new generation":
+            how = "replaced the Planner" if self.is_leader else "learned the leader's new Planner"
+        self.transport.learn(info["where"])
+        self._gen, self._constructors = info["gen"], list(info["constructors"])
+        self.faults["recoveries"].append({"step": step, "actor": actor, "how": how,
+                                          "seconds": round(time.monotonic() - t0, 4)})
+
+    def _ask_planner(self, call, timeout: float | None = None):
+        """``call(PlannerRef)``'s answer, surviving a lost Planner (replaced or learned, then asked again)."""
+        name = self.planner_name
+        try:
+            return call(self.planner).result((timeout or self.timeout) + 5)
+        except FAILURES as e:
+            if getattr(e, "actor", None) != name:
+                raise
+            with self._recovery_lock:
+                if self.planner_name == name:
+                    self._planner_lost(e)
+            return call(self.planner).result((timeout or self.timeout) + 5)
+
+    def _planner_lost(self, err: BaseException) -> None:
+        if self.is_leader:
+            self._replace_planner(err)
+        else:
+            self._await_new_planner(err)
+
+    def _await_new_planner(self, err: BaseException) -> None:
+        """Another client: wait (bounded) until the leader has a new Planner, then use it."""
+        got = RegistryRef(self.transport, self.recovery_timeout + 5).planner_after(
+            self.planner_name, self.recovery_timeout).result(self.recovery_timeout + 10)
+        if got is None:
+            raise RoleLost(f"client {self.client} lost the Planner ({err}) and the leader (client 0) started no new one "
+                           f"within recovery_timeout={self.recovery_timeout:g} s") from err
+        self.transport.learn({got["name"]: got["worker"]})
+        self.planner_name = got["name"]
+
+    def _spare_names(self) -> list[str]:
+        """Where replacements start: the spare workers, after the role workers."""
+        return [self.transport.worker_name(self.n_workers + i) for i in range(self.spares)]
+
+    def _replace_planner(self, err: BaseException) -> None:
+        spares = self._spare_names()
+        if not spares or self.cfg.checkpoint_dir is None:
+            raise RoleLost(f"the Planner failed ({err}) and cannot be replaced: give the job spares= and "
+                           f"checkpoint_dir=") from err
+        self._planners += 1
+        name, index = f"{PLANNER}#{self._planners}", {w: self.n_workers + i for i, w in enumerate(spares)}
+        dead = {self.transport.worker_name(self.transport.worker_of(self.planner_name))}
+        newest = self.cfg.store().latest(PLANNER_KEY)
+        roles = newest[1]["roles"] if newest is not None else {}
+        dead.update(roles.get("dead_spares", []))
+        for w in spare_order(spares, serving(roles) if roles else {}, dead):      # the least-loaded live spare
+            try:
+                self.transport.start_actor(name, PlannerActor, *self._planner_args([s for s in spares if s not in dead]),
+                                           worker=index[w])
+                break
+            except (ActorDied, CallTimeout):
+                dead.add(w)
+        else:
+            raise RoleLost(f"the Planner failed ({err}) and no spare process can host a new one (dead: "
+                           f"{sorted(dead)})") from err
+        info = PlannerRef(self.transport, name, self.timeout).recover(w, name).result(self.recovery_timeout)
+        self.planner_name = name
+        self.transport.learn(info["where"])
+        if self._registry is not None:
+            self._registry.moved(name, w)
+
+    def _planner_args(self, spares: list) -> tuple:
+        cfg = self.cfg
+        return (cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors, cfg.clients,
+                cfg.timeout, self.transport.peers(), cfg.policy(spares))
+
+    def _host_registry(self) -> None:
+        """The leader, in a job with other clients, serves where the Planner is (it may replace it)."""
+        if self.client == 0 and self.cfg.clients > 1:
+            self._registry = PlannerRegistry(self.planner_name,
+                                             self.transport.worker_name(self.transport.worker_of(PLANNER)))
+            self.transport.host(REGISTRY, self._registry)

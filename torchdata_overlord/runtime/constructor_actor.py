@@ -1,0 +1,317 @@
+"""The Data Constructor actor: the trainer's only door to the data plane (the paper's lazy order).
+
+A client asks its constructor for a step (``fetch``); the leader client's request is the one that
+makes the constructor ask the Planner to plan it (``advance``, once per step, never once per
+client), with the leader's feedback. The Planner sends every constructor the plan and orders the
+loaders to ``put`` the planned samples straight to the constructors; then it ``commit``\\ s the
+job's state after the step. A constructor serves the buckets ``b`` with ``b % n == index`` and
+builds a bucket only once a client asks for one of its ranks (so a trainer process that runs every
+role in-process builds only its own rank's bucket); a rank of another constructor's bucket is
+fetched from that constructor on the client's behalf, and the answer names the right constructor
+(``routing``) so the client asks it directly from then on.
+
+Its durable state is the position every client has consumed (``released``), checkpointed when it
+moves; what it holds beyond that (staged samples, built buckets) is rebuilt by a rewind.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from typing import Mapping
+
+from ..errors import ConfigError
+from ..plane.plan import Plan
+from ..plane.records import SampleKey
+from ..roles.constructor import DataConstructor, receives_nothing
+from .refs import PLANNER, ConstructorRef, PlannerRef
+from .role import RoleActor, fail_all
+from .step import JobClosed, JobReset
+from .transport import settle
+
+__all__ = ["ConstructorActor"]
+
+
+_BUILD = object()      # marks a build in the list _progress returns
+
+
+class _Waiter:
+    """One fetch until it is answered: its ranks, and what other constructors answered for it."""
+
+    def __init__(self, ranks: list, fut: cf.Future, with_plan: bool):
+        self.ranks, self.fut, self.with_plan = list(ranks), fut, with_plan
+        self.forwarded: dict | None = None      # rank -> output fetched from another constructor
+        self.forwarding = False
+
+
+class _Work:
+    """One step at one constructor: the plan, the parts still expected, the built buckets, who waits."""
+
+    def __init__(self):
+        self.plan: Plan | None = None
+        self.buckets: list[int] = []
+        self.names: dict = {}
+        self.expected: set[str] | None = None
+        self.samples: dict = {}
+        self.samples_from: set[str] = set()
+        self.outputs: dict[int, dict] = {}           # bucket -> {rank: output}
+        self.errors: dict[int, BaseException] = {}
+        self.building: set[int] = set()
+        self.state: dict | None = None
+        self.delayed = False
+        self.triggered = False
+        self.waiters: list[_Waiter] = []
+
+
+class ConstructorActor(RoleActor):
+    """``ConstructorActor(index, seq_len, pad_id, ignore_index, image_token_id, peers, timeout, store=None)``."""
+
+    def __init__(self, index: int, seq_len, pad_id: int, ignore_index: int, image_token_id, peers, timeout: float,
+                 store=None, build_thread: bool = True):
+        self.index, self.peers, self.timeout, self.store = index, peers, float(timeout), store
+        self.constructor = DataConstructor(seq_len, pad_id=pad_id, ignore_index=ignore_index,
+                                           image_token_id=image_token_id)
+        self.gen, self.released, self.built, self.buckets_built = 0, 0, 0, 0
+        self.planner = PLANNER
+        self.failed: tuple[int, BaseException] | None = None
+        self.consumed: dict[int, int] = {}          # client -> steps it consumed (reported with its fetches)
+        self.steps: dict[int, _Work] = {}
+        self.lock = threading.Lock()
+        # builds run on a thread of their own (the actor keeps taking parts meanwhile), or, with
+        # build_thread=False (every role in one process), in the commit, on the Planner's thread
+        self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"overlord-build-{index}") if build_thread else None
+
+    def _work(self, gen: int, step: int) -> _Work | None:
+        if gen != self.gen or step < self.released:
+            return None
+        return self.steps.setdefault(step, _Work())
+
+    # -- from the Planner ---------------------------------------------------------------------
+    def new_generation(self, gen: int, planner: str = PLANNER, where: Mapping[str, str] | None = None) -> None:
+        """A new generation (a loaded state, or a rewind after a failure): forget every step."""
+        if where:
+            self.peers.learn(dict(where))
+        with self.lock:
+            old, self.steps = self.steps, {}
+            self.gen, self.released, self.failed, self.planner = gen, 0, None, planner
+            self.consumed = {}
+        fail_all([w.fut for work in old.values() for w in work.waiters],
+                 JobReset(f"the job was reset to generation {gen}; call iter() again"))
+
+    def plan(self, gen: int, step: int, plan: Plan, buckets: list[int], expected: list[str], names: dict) -> None:
+        if names.get("where"):
+            self.peers.learn(dict(names["where"]))
+        with self.lock:
+            w = self._work(gen, step)
+            if w is None:
+                return
+            w.plan, w.buckets, w.names = plan, list(buckets), dict(names)
+            w.expected = set(expected) - w.samples_from
+            todo = self._progress(step, w)
+        self._settle(todo)
+
+    def put(self, gen: int, step: int, source: str, records: Mapping[int, object]) -> None:
+        with self.lock:
+            w = self._work(gen, step)
+            if w is None or source in w.samples_from:      # a promoted loader re-sending a part that arrived
+                return
+            w.samples.update({SampleKey(source, int(i)): r for i, r in records.items()})
+            w.samples_from.add(source)
+            if w.expected is not None:
+                w.expected.discard(source)
+            todo = self._progress(step, w)
+        self._settle(todo)
+
+    def commit(self, gen: int, step: int, state: dict, delayed: bool) -> dict:
+        """The job's state after ``step`` (what a checkpoint taken after it holds); answers with the
+        consumed position of every client this constructor has heard from."""
+        with self.lock:
+            w = self._work(gen, step)
+            if w is not None:
+                w.state, w.delayed = state, bool(delayed)
+                todo = self._progress(step, w)
+            else:
+                todo = []
+            consumed = dict(self.consumed)
+        self._settle(todo)
+        return consumed
+
+    def fail(self, gen: int, step: int, error: BaseException) -> None:
+        """``step`` cannot be planned (a source ran out, a role is lost...): it and every later fetch fail."""
+        with self.lock:
+            if gen != self.gen:
+                return
+            if self.failed is None or step < self.failed[0]:
+                self.failed = (step, error)
+            futs = [w.fut for s, work in self.steps.items() if s >= step for w in work.waiters]
+            for s, work in self.steps.items():
+                if s >= step:
+                    work.waiters = []
+        fail_all(futs, error)
+
+    def release(self, gen: int, below: int) -> None:
+        """Forget every step before ``below`` (every client consumed them)."""
+        with self.lock:
+            if gen != self.gen:
+                return
+            self.released = max(self.released, below)
+            for s in [s for s in self.steps if s < below]:
+                del self.steps[s]
+        if self.store is not None:          # where the clients are: a replacement resumes from here
+            self.store.put(f"constructor/{self.index}", below, {"released": below, "generation": gen})
+
+    # -- from the clients ---------------------------------------------------------------------
+    def fetch(self, gen: int, step: int, ranks: list, client: int | None, consumed: int, lead: bool = False,
+              feedback: list = (), with_plan: bool = False) -> cf.Future:
+        """What ``ranks`` receive at ``step``, once it is planned, built and committed. ``lead``: the
+        leader client's request, which makes the Planner plan the step (with ``feedback``)."""
+        fut: cf.Future = cf.Future()
+        with self.lock:
+            err = self._refuse(gen, step)
+            if err is not None:
+                settle(fut, exc=err)
+                return fut
+            if client is not None:
+                self.consumed[client] = max(self.consumed.get(client, 0), int(consumed))
+            w = self.steps.setdefault(step, _Work())
+            w.waiters.append(_Waiter(ranks, fut, with_plan))
+            trigger = lead and not w.triggered and w.plan is None
+            w.triggered = w.triggered or lead
+            planner = self.planner
+            todo = self._progress(step, w)
+        self._settle(todo)
+        if trigger:
+            asked = PlannerRef(self.peers, planner, self.timeout).advance(gen, step, feedback, timeout=4 * self.timeout)
+            asked.add_done_callback(lambda f: f.exception() is not None and self.fail(gen, step, f.exception()))
+        return fut
+
+    def _refuse(self, gen: int, step: int) -> BaseException | None:
+        if gen != self.gen:
+            return JobReset(f"fetch of step {step} belongs to generation {gen}, the job is at {self.gen}; call "
+                            f"iter() again")
+        if self.failed is not None and step >= self.failed[0]:
+            return self.failed[1]
+        if step < self.released:
+            return ConfigError(f"step {step} was released: every client had consumed it")
+        return None
+
+    # -- building and answering (under the lock; futures are settled after it) ----------------
+    def _progress(self, step: int, w: _Work) -> list:
+        """Start what the waiting fetches need; return the (future, result, error) to settle."""
+        if w.plan is None:
+            return []
+        n, done = len(w.names.get("constructors", [])) or 1, []
+        for waiter in list(w.waiters):
+            foreign: dict[int, list] = {}
+            ready = w.state is not None
+            for r in waiter.ranks:
+                if receives_nothing(w.plan, r)[0]:
+                    continue
+                b = w.plan.bucket_of(r)
+                if b not in w.buckets:
+                    foreign.setdefault(b % n, []).append(r)
+                elif b in w.errors:
+                    w.waiters.remove(waiter)
+                    done.append((waiter.fut, None, w.errors[b]))
+                    ready = None
+                    break
+                elif b not in w.outputs:
+                    ready = False
+                    if b not in w.building and not w.expected and (self.pool is not None or w.state is not None):
+                        w.building.add(b)
+                        done.append((self._build, (step, w, b), _BUILD))
+            if ready is None:
+                continue
+            if foreign and waiter.forwarded is None:
+                ready = False
+                if not waiter.forwarding:
+                    waiter.forwarding = True
+                    self._forward(step, w, waiter, foreign)
+            if ready:
+                w.waiters.remove(waiter)
+                done.append((waiter.fut, self._answer(w, waiter, n), None))
+        if len(w.outputs) + len(w.errors) == len(w.buckets) and w.samples:
+            w.samples = {}                  # every bucket of this constructor is built
+        return done
+
+    def _answer(self, w: _Work, waiter: _Waiter, n: int) -> dict:
+        outputs, routing = {}, {}
+        for r in waiter.ranks:
+            nothing, value = receives_nothing(w.plan, r)
+            b = w.plan.bucket_of(r)
+            routing[r] = -1 if nothing else b % n
+            outputs[r] = value if nothing else (w.outputs[b][r] if b in w.outputs else waiter.forwarded[r])
+        return {"outputs": outputs, "routing": routing, "state": w.state, "delayed": w.delayed,
+                "released": self.released, "plan": w.plan if waiter.with_plan else None}
+
+    def _forward(self, step: int, w: _Work, waiter: _Waiter, foreign: dict[int, list]) -> None:
+        """Fetch the ranks of other constructors' buckets for ``waiter`` (a client that asked the
+        wrong constructor learns the right one from the answer's routing)."""
+        gen, names = self.gen, w.names["constructors"]
+        parts = [ConstructorRef(self.peers, names[c], self.timeout).fetch(gen, step, rs, None, 0,
+                                                                          timeout=4 * self.timeout)
+                 for c, rs in foreign.items()]
+
+        def arrived(_):
+            if not all(p.done() for p in parts):
+                return
+            errors = [p.exception() for p in parts if p.exception() is not None]
+            with self.lock:
+                if errors:
+                    if waiter in w.waiters:
+                        w.waiters.remove(waiter)
+                    todo = [(waiter.fut, None, errors[0])]
+                else:
+                    waiter.forwarded = {r: out for p in parts for r, out in p.result()["outputs"].items()}
+                    todo = self._progress(step, w)
+            self._settle(todo)
+
+        for p in parts:
+            p.add_done_callback(arrived)
+
+    def _build(self, step: int, w: _Work, b: int) -> None:
+        try:
+            out, err = self.constructor.build(w.plan, b, w.samples), None
+        except BaseException as e:         # noqa: BLE001 - delivered to every fetch of this bucket
+            out, err = None, e
+        with self.lock:
+            w.building.discard(b)
+            if err is None:
+                w.outputs[b] = out
+            else:
+                w.errors[b] = err
+            self.built += len(w.outputs) + len(w.errors) == 1
+            self.buckets_built += 1
+            todo = self._progress(step, w)
+        self._settle(todo)
+
+    def _settle(self, todo: list) -> None:
+        """Answer the futures ``_progress`` settled, and start the builds it decided (outside the lock)."""
+        for fut, result, exc in todo:
+            if exc is _BUILD:
+                if self.pool is None:
+                    fut(*result)
+                else:
+                    self.pool.submit(fut, *result)
+            else:
+                settle(fut, result, exc)
+
+    # -- diagnostics and recovery -------------------------------------------------------------
+    def stats(self) -> dict:
+        with self.lock:
+            return {"steps_held": len(self.steps), "steps_built": self.built, "buckets_built": self.buckets_built,
+                    "waiting_fetches": sum(len(w.waiters) for w in self.steps.values()),
+                    "staged_samples": sum(len(w.samples) for w in self.steps.values())}
+
+    def resume_point(self) -> int | None:
+        """The consumed position the predecessor of this constructor checkpointed (None: none)."""
+        got = self.store.latest(f"constructor/{self.index}") if self.store is not None else None
+        return None if got is None else int(got[1]["released"])
+
+    def close(self) -> None:
+        with self.lock:
+            waiting = [w.fut for work in self.steps.values() for w in work.waiters]
+            self.steps = {}
+        fail_all(waiting, JobClosed("the job was closed by client 0 (the leader)"))
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)

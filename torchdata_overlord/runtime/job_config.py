@@ -1,0 +1,222 @@
+"""A job's configuration, checked before any process starts, and starting its roles on a transport.
+
+Shared by every way a job starts: :class:`~.local.LocalJob` (in this process), :class:`~.rpc_job.RpcJob`
+(worker processes it starts or joins) and ``python -m torchdata_overlord.launch`` (the data nodes).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ..errors import ConfigError
+from ..plane.place_tree import ClientPlaceTree
+from ..sources.base import Source
+from ..sources.parquet import ParquetSource
+from .checkpoint_store import CheckpointStore
+from .constructor_actor import ConstructorActor
+from .loadable import check_loadable
+from .loader_actor import LoaderActor
+from .planner_actor import PlannerActor
+from .fault_policy import FaultPolicy
+from .refs import PLANNER, LoaderRef, constructor_actor, loader_actor, role_names, shadow_actor
+from .transport import ActorDied, CallTimeout, Transport
+
+__all__ = ["SourceSpec", "LiveSource", "RoleConfig", "start_roles", "source_settings"]
+
+
+def source_settings(names: list[str]) -> Callable:
+    """Check the source names; returns ``get(value, name, default)`` for settings given as one value
+    for every source or as a ``{source: value}`` dict (unknown names refused)."""
+    if not names:
+        raise ConfigError("a job needs at least one source")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"source names must be unique, got {names}")
+
+    def get(value, name, default):
+        if isinstance(value, Mapping):
+            unknown = set(value) - set(names)
+            if unknown:
+                raise ConfigError(f"settings name unknown sources {sorted(unknown)}; sources are {names}")
+            return value.get(name, default)
+        return default if value is None else value
+    return get
+
+
+@dataclass
+class LiveSource:
+    """A source used as is by roles that run in this process (nothing to rebuild, nothing to pickle)."""
+
+    source: Any
+    transform = None
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    @property
+    def paths(self):
+        return self.source
+
+    def build(self):
+        return self.source
+
+
+@dataclass
+class SourceSpec:
+    """How to build a source again in another process: ``cls(name, paths, transform, **kwargs)``,
+    then its ``state``. ``from_source`` takes these from any :class:`~torchdata_overlord.Source`'s
+    ``spec_args()`` (``paths``: a file source's resolved files, a :class:`~torchdata_overlord.NodeSource`'s
+    node factory); a name alone (``paths=None``) only names the source (enough for a client joining
+    a launched job, whose roles were built from the launcher's config). ``cls=None``: ParquetSource.
+    """
+
+    name: str
+    paths: Any
+    transform: Callable | None = None
+    kwargs: dict = field(default_factory=dict)     # columns, shuffle, seed, epochs, on_error, ...
+    state: dict | None = None                      # the source's state_dict() to start from
+    cls: type | None = None
+
+    @classmethod
+    def from_source(cls, src) -> "SourceSpec":
+        """A source's spec; a spec as is; a name (str) only names the source."""
+        if isinstance(src, SourceSpec):
+            return src
+        if isinstance(src, str):
+            return cls(src, None)
+        if not isinstance(src, Source):
+            raise ConfigError(f"a source must be a Source (ParquetSource, FileSource, NodeSource, or one with "
+                              f"the Source protocol's members) or a SourceSpec, got {type(src).__name__}")
+        paths, transform, kwargs = src.spec_args()
+        return cls(src.name, paths, transform, dict(kwargs), src.state_dict(), type(src))
+
+    def build(self):
+        src = (self.cls or ParquetSource)(self.name, self.paths, self.transform, **self.kwargs)
+        if self.state is not None:
+            src.load_state_dict(self.state)
+        return src
+
+
+@dataclass
+class RoleConfig:
+    """Everything needed to start a job's roles (checked here, before any process starts)."""
+
+    specs: list
+    strategy: Callable
+    mesh: ClientPlaceTree
+    global_batch: int
+    seq_len: int | None
+    seed: int = 0
+    buffer_size: Any = None
+    workers: Any = 0
+    image_token_id: int | None = None
+    pad_id: int = 0
+    ignore_index: int = -100
+    constructors: int | None = None
+    clients: int = 1
+    timeout: float = 60.0
+    checkpoint_dir: str | None = None       # the store of Planner/constructor checkpoints and loader snapshots
+    snapshot_every: int = 10                # steps between Source Loader snapshots
+    shadows: bool = False                   # a hot-standby Source Loader per source
+    in_process: bool = False                # every role in this process: sources used as they are
+
+    def __post_init__(self) -> None:
+        self.specs = [LiveSource(s) if self.in_process and not isinstance(s, (SourceSpec, str))
+                      else SourceSpec.from_source(s) for s in self.specs]
+        self.get = source_settings(self.names)
+        if not isinstance(self.mesh, ClientPlaceTree):
+            raise ConfigError(f"mesh must be a ClientPlaceTree, got {type(self.mesh).__name__}")
+        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise ConfigError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
+        dp = self.mesh.sizes.get("dp", 1)
+        if self.constructors is None:
+            self.constructors = dp
+        c = self.constructors
+        if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= dp or dp % c:
+            raise ConfigError(f"constructors={c!r} does not fit the mesh ({self.mesh.describe()}): give a divisor of "
+                              f"dp={dp} (one Data Constructor per DP group is {dp}; fewer share groups)")
+        if isinstance(self.clients, bool) or not isinstance(self.clients, int) or not 1 <= self.clients:
+            raise ConfigError(f"clients must be an integer >= 1, got {self.clients!r}")
+        if self.strategy is not None and not self.in_process:     # None: a client of a launched job
+            check_loadable(self.strategy, "the strategy")
+        for spec in [] if self.in_process else self.specs:
+            if spec.transform is not None:
+                check_loadable(spec.transform, f"the transform of source {spec.name!r}")
+            if callable(spec.paths):
+                check_loadable(spec.paths, f"the node factory of source {spec.name!r}")
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+    @property
+    def roles(self) -> list[str]:
+        return role_names(self.names, self.constructors, self.shadows)
+
+    def placement(self, n_workers: int) -> dict[str, int]:
+        """actor -> worker index: role ``j`` (Planner, loaders, constructors, shadows) on worker
+        ``j % n_workers``, except that a shadow never shares its primary's worker when another exists."""
+        where = {a: j % n_workers for j, a in enumerate(self.roles)}
+        for n in self.names if self.shadows else []:
+            if where[shadow_actor(n)] == where[loader_actor(n)] and n_workers > 1:
+                where[shadow_actor(n)] = (where[loader_actor(n)] + 1) % n_workers
+        return where
+
+    def store(self) -> CheckpointStore | None:
+        return None if self.checkpoint_dir is None else CheckpointStore(self.checkpoint_dir)
+
+    def loader_args(self, spec: SourceSpec) -> tuple:
+        return (spec, self.get(self.buffer_size, spec.name, self.global_batch), self.get(self.workers, spec.name, 0),
+                self.image_token_id, self.timeout)
+
+    def policy(self, spares: list) -> FaultPolicy:
+        return FaultPolicy(self.store(), self.snapshot_every, self.shadows, list(spares),
+                           {spec.name: self.loader_args(spec) for spec in self.specs},
+                           (self.seq_len, self.pad_id, self.ignore_index, self.image_token_id),
+                           build_thread=not self.in_process)
+
+    def fingerprint(self) -> dict:
+        """What a client must agree on with the roles it joins."""
+        return {"sources": self.names, "mesh": self.mesh.to_dict(), "global_batch": self.global_batch,
+                "seq_len": self.seq_len, "seed": self.seed, "image_token_id": self.image_token_id,
+                "constructors": self.constructors, "clients": self.clients}
+
+
+def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1, spares: list | None = None,
+                warm_timeout: float | None = None) -> None:
+    """Start every role of ``cfg`` on ``transport``, placed by :meth:`RoleConfig.placement`, each
+    knowing where the others are; ``spares`` (worker names) is where the Planner starts replacements.
+    With ``warm_timeout``, every Source Loader then opens its source and fills its first buffer within
+    that many seconds: the slow first fill happens under the start-up timeout, not the per-call one,
+    and a source that cannot be read fails here."""
+    if cfg.strategy is None or any(s.paths is None for s in cfg.specs):
+        raise ConfigError("starting the roles needs the strategy and every source (not just its name)")
+    where = cfg.placement(n_workers)
+    transport.place(where)
+    peers, store = transport.peers(), cfg.store()
+    policy = cfg.policy(spares or [])
+
+    def start(name, factory, *args):
+        transport.start_actor(name, factory, *args, worker=where[name])
+
+    start(PLANNER, PlannerActor, cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors,
+          cfg.clients, cfg.timeout, peers, policy)
+    for spec in cfg.specs:
+        start(loader_actor(spec.name), LoaderActor, *cfg.loader_args(spec), peers, store, cfg.snapshot_every)
+        if cfg.shadows:
+            start(shadow_actor(spec.name), LoaderActor, *cfg.loader_args(spec), peers, store, cfg.snapshot_every)
+    for c in range(cfg.constructors):
+        start(constructor_actor(c), ConstructorActor, c, *policy.constructor_args, peers, cfg.timeout, store,
+              policy.build_thread)
+    if warm_timeout is not None:
+        warm = {n: LoaderRef(transport, loader_actor(n), cfg.timeout).warm(timeout=warm_timeout) for n in cfg.names}
+        cf.wait(list(warm.values()), timeout=warm_timeout + 5)
+        for n, fut in warm.items():
+            try:
+                fut.result(timeout=1)
+            except (ActorDied, CallTimeout, cf.TimeoutError) as e:
+                from .rpc_transport import TransportStartupError
+                raise TransportStartupError(f"source {n!r}: its Source Loader did not fill its first buffer within "
+                                            f"the start-up timeout of {warm_timeout:g} s ({e})") from e

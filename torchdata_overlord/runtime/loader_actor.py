@@ -1,0 +1,116 @@
+"""The Source Loader actor: a SourceLoader that hands each step's planned samples straight to the constructors.
+
+It never talks to the trainer and never sends sample bytes to the Planner: the Planner asks for
+``metadata()`` and orders ``deliver(step)``; the samples go loader -> constructor (``put``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping
+
+from ..roles.source_loader import SourceLoader, record_bytes
+from .refs import ConstructorRef
+from .role import RoleActor, gather
+from .step import JobReset
+
+__all__ = ["LoaderActor"]
+
+
+class LoaderActor(RoleActor):
+    """A SourceLoader that delivers each step's planned samples straight to the constructors.
+
+    Fault tolerance: every ``snapshot_every`` steps it writes its state to the checkpoint store
+    (``loader/<source>`` at version = steps delivered); between snapshots the Planner's per-step
+    checkpoints log what each step took, so :meth:`restore` rebuilds the state at any version from
+    the last snapshot plus a replay. A *shadow* is the same actor kept idle: it is told the
+    primary's state after every step (:meth:`follow`) and :meth:`promote` makes it the primary.
+    Calls from an older generation (a frozen Planner that woke up) are refused.
+    """
+
+    def __init__(self, spec, buffer_size: int, workers: int, image_token_id: int | None, timeout: float, peers,
+                 store=None, snapshot_every: int = 0):
+        self.loader = SourceLoader(spec.build(), buffer_size, workers, image_token_id)
+        self.name, self.timeout, self.peers = spec.name, float(timeout), peers
+        self.store, self.snapshot_every = store, int(snapshot_every)
+        self.gen, self.delivered, self.snapshots = 0, 0, 0
+        self.followed: tuple[int, dict] | None = None        # (version, state) of the primary, when a shadow
+        self.sent = {"samples": 0, "bytes": 0, "seconds": 0.0}   # to constructors: what and how long
+
+    def _check_gen(self, gen: int) -> None:
+        if gen < self.gen:
+            raise JobReset(f"loader {self.name!r}: a call of generation {gen}, the job is at {self.gen}")
+
+    def warm(self) -> int:
+        """Open the source and fill the first buffer (at start-up, under the start-up timeout, so the
+        first step's calls are not mistaken for a frozen loader); returns the samples buffered."""
+        self.loader.fill()
+        return self.loader.stats()["buffered"]
+
+    def metadata(self):
+        return self.loader.metadata()
+
+    def deliver(self, gen: int, step: int, indices: list, routes: Mapping[str, list],
+                where: Mapping[str, str] | None = None) -> dict:
+        """Take ``indices`` (every sampled one, dropped ones too: consumed), send each constructor
+        its part, and return this loader's state after the step."""
+        self._check_gen(gen)
+        if where:
+            self.peers.learn(dict(where))
+        self.loader.fill()                  # a promoted or restored loader starts with an empty buffer
+        recs = self.loader.take(indices) if indices else {}
+        t0 = time.perf_counter()
+        futs = {c: ConstructorRef(self.peers, c, self.timeout).put(gen, step, self.name, {i: recs[i] for i in idx})
+                for c, idx in routes.items()}
+        gather(futs, self.timeout)
+        self.sent["seconds"] += time.perf_counter() - t0
+        self.sent["samples"] += sum(len(idx) for idx in routes.values())
+        self.sent["bytes"] += sum(record_bytes(recs[i]) for idx in routes.values() for i in idx)
+        self.delivered += 1
+        state = self.loader.get_state()
+        version = step + 1
+        if self.store is not None and self.snapshot_every and version % self.snapshot_every == 0:
+            self.store.put(f"loader/{self.name}", version, state)
+            self.snapshots += 1
+        return state
+
+    # -- standby and recovery ------------------------------------------------------------------
+    def follow(self, version: int, state: dict) -> None:
+        """A shadow keeps the primary's latest state (cheap: a few numbers, no reading). The first
+        time, it also reads a buffer's worth at that state, so its files are open, its row group
+        decoded and its transform loaded: a promotion then only re-reads one buffer."""
+        first = self.followed is None
+        self.followed = (int(version), state)
+        if first:
+            self.loader.reset(state)
+            self.loader.fill()
+            self.loader.reset(state)         # keep the warm source, not the buffered samples
+
+    def promote(self, gen: int, state: dict) -> dict:
+        """Become the primary at ``state`` (the state after the last completed step)."""
+        self.gen = gen
+        self.loader.reset(state)
+        return self.loader.get_state()
+
+    def restore(self, gen: int, snapshot: dict, consumed: list) -> dict:
+        """Differential restore: ``snapshot`` plus a replay of the steps' consumption since."""
+        self.gen = gen
+        return self.loader.replay(snapshot, consumed)
+
+    def exhausted(self) -> bool:
+        return bool(self.loader.exhausted)
+
+    def stats(self) -> dict:
+        return {**self.loader.stats(), "steps_delivered": self.delivered, "sent": dict(self.sent),
+                "snapshots": self.snapshots}
+
+    def get_state(self) -> dict:
+        return self.loader.get_state()
+
+    def new_generation(self, gen: int, state: dict) -> None:
+        """Start generation ``gen`` at ``state`` (a loaded checkpoint, or a rewind)."""
+        self.gen = gen
+        self.loader.reset(state)
+
+    def close(self) -> None:
+        self.loader.close()

@@ -1,0 +1,65 @@
+"""What a source gives a Source Loader: the :class:`Source` protocol, shared by every source type.
+
+A Source Loader (:class:`~torchdata_overlord.roles.source_loader.SourceLoader`) reads raw rows one
+by one (``next_raw``), transforms them on its worker pool (``apply``) and checkpoints the source's
+position (``state_dict``/``load_state_dict``), never the samples. The rpc runtime rebuilds a source
+in another process from its :class:`~torchdata_overlord.runtime.job_config.SourceSpec`: its class,
+its constructor arguments (``spec_args``) and its state. Implementations:
+:class:`~torchdata_overlord.ParquetSource`, :class:`~torchdata_overlord.FileSource` (JSON Lines,
+CSV, Arrow IPC) and :class:`~torchdata_overlord.NodeSource` (any stateful ``torchdata.nodes`` node).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from ..errors import OverlordError
+
+__all__ = ["Source", "SourceReadError", "SKIPPED"]
+
+SKIPPED = object()  # what apply() returns for a sample skipped under on_error="skip"
+
+
+class SourceReadError(OverlordError, RuntimeError):
+    """Reading a source or transforming one of its samples failed during iteration (on_error="raise")."""
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A resumable stream of raw rows and the transform that makes them samples.
+
+    * ``name``: the source's name (the mixture's key); ``epoch``: the pass over the data (0 for an
+      endless stream); ``rows_passed``: rows read or skipped so far;
+    * ``next_raw() -> (index, row, where)``: the next raw row; ``index`` is unique over the whole run
+      (a row seen again in a later epoch gets another index), ``where`` locates it for error messages
+      and :meth:`apply`; raises ``StopIteration`` at the end;
+    * ``apply(row, where)``: the sample, or :data:`SKIPPED` (skipped under the source's error policy);
+    * ``check_progress(since)``: raise :class:`SourceReadError` if every row since ``rows_passed`` was
+      ``since`` was skipped and skipping on could never yield a sample;
+    * ``state_dict()`` / ``load_state_dict(state)``: the exact position, plain Python types only;
+    * ``spec_args() -> (data, transform, kwargs)``: how to build it again elsewhere
+      (``type(source)(name, data, transform, **kwargs)``), all picklable;
+    * ``skips`` (a :class:`~torchdata_overlord.sources.skip_log.SkipLog`), ``buffer_bytes`` (bytes
+      the source itself holds) and ``close()``.
+    """
+
+    name: str
+    epoch: int
+    rows_passed: int
+
+    def next_raw(self) -> tuple[int, Any, Any]: ...
+
+    def apply(self, row: Any, where: Any) -> Any: ...
+
+    def check_progress(self, since: int) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def spec_args(self) -> tuple[Any, Any, dict]: ...
+
+    @property
+    def buffer_bytes(self) -> int: ...
+
+    def close(self) -> None: ...
