@@ -426,7 +426,7 @@ def instrument(job: LocalJob, rec: Recorder, fine: bool) -> None:
     if not fine:
         return
     planner.planner.plan = rec.wrap("plan", planner.planner.plan)
-    planner._ask_ahead = lambda step: None      # serial: each step's metadata asked when it is planned
+    planner.ahead.ask = lambda gen, step: None   # serial: each step's metadata asked when it is planned
     planner._dispatch = rec.wrap("dispatch", planner._dispatch)
     for c in constructors:
         c.build = rec.wrap("build", c.build)

@@ -27,6 +27,7 @@ from ..plane.plan import Plan
 from ..roles.planner import Planner
 from .fault_policy import FAILURES, FaultPolicy, RoleLost
 from .feedback import FeedbackLog
+from .ahead import MetadataAhead
 from .recovery import Recovery
 from .refs import PLANNER
 from .role import RoleActor, fail_all, gather
@@ -59,8 +60,8 @@ class PlannerActor(RoleActor):
         self.attaches: dict[int, int] = collections.defaultdict(int)
         self.attach_waiting: list[tuple[int, int, int, cf.Future]] = []
         self.planned_steps = 0
-        self.ahead: tuple[int, int, dict] | None = None   # (gen, step, {source: (loader, metadata future)})
         self.recovery = Recovery(self, policy or FaultPolicy())
+        self.ahead = MetadataAhead(self.recovery)
 
     @property
     def step(self) -> int:
@@ -76,7 +77,7 @@ class PlannerActor(RoleActor):
             if state is not None:
                 self.new_generation(state)
             elif not self.versions:
-                self.versions[self.step] = self._current_state()
+                self.versions[self.step] = self.state_dict()
                 self.recovery.checkpoints.reset(self.step, self.versions[self.step])
             self.leader_starts.append((self.gen, self.step))
             for item in list(self.attach_waiting):
@@ -126,7 +127,7 @@ class PlannerActor(RoleActor):
         r.shadows.adopt()
         step, gen, seen = self.step, self.gen, len(r.events)
         try:
-            metas = r.each_loader(lambda ref, s: ref.metadata(), step, issued=self._asked_ahead(step))
+            metas = self.ahead.metadata(gen, step)
             if self.gen != gen:
                 return
 
@@ -159,7 +160,7 @@ class PlannerActor(RoleActor):
                 if self.gen != gen:
                     return
                 r.loader_state = dict(states)
-                self._ask_ahead(step + 1)
+                self.ahead.ask(gen, step + 1)
                 state = JobState.make(self.planner.state_dict(), states, self.feedback)
                 self.versions[step + 1] = state
                 r.checkpoints.checkpoint(step + 1, state, routes.sampled)
@@ -181,20 +182,6 @@ class PlannerActor(RoleActor):
         for s in self.sources:
             r.shadows.follow(s, step + 1)
 
-    def _ask_ahead(self, step: int) -> None:
-        """Ask every loader for step ``step``'s metadata now, right after its delivery: it refills its
-        buffer (reads and transforms) while the step is committed and built, not when the step is
-        planned. A loader runs its calls in order, so the answer is what asking later would give."""
-        r = self.recovery
-        self.ahead = (self.gen, step, {s: (r.active[s], r.loader_ref(r.active[s]).metadata(ahead=True)) for s in self.sources})
-
-    def _asked_ahead(self, step: int) -> dict:
-        """The metadata asked ahead for ``step``, from loaders still active in this generation."""
-        ahead, self.ahead = self.ahead, None
-        if ahead is None or ahead[:2] != (self.gen, step):
-            return {}
-        return {s: fut for s, (name, fut) in ahead[2].items() if self.recovery.active[s] == name}
-
     def _release(self) -> None:
         below = min(self.consumed.get(c, self.released) for c in range(self.clients))
         if below <= self.released:
@@ -206,12 +193,6 @@ class PlannerActor(RoleActor):
             self.recovery.constructor_ref(name).release(self.gen, below)
 
     # -- generations ----------------------------------------------------------------------------------
-    def _current_state(self) -> dict:
-        r = self.recovery
-        states = r.each_loader(lambda ref, s: ref.get_state(), self.step)
-        r.loader_state = dict(states)
-        return JobState.make(self.planner.state_dict(), states, copy.deepcopy(self.feedback))
-
     def new_generation(self, state: Mapping) -> None:
         """Every role back to ``state`` (a new generation): a loaded checkpoint, or a rewind."""
         r = self.recovery
@@ -254,7 +235,10 @@ class PlannerActor(RoleActor):
     # -- state and stats ------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The job's state at the current planned position."""
-        return self._current_state()
+        r = self.recovery
+        states = r.each_loader(lambda ref, s: ref.get_state(), self.step)
+        r.loader_state = dict(states)
+        return JobState.make(self.planner.state_dict(), states, copy.deepcopy(self.feedback))
 
     def roles(self) -> dict:
         return self.recovery.roles()
