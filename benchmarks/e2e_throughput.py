@@ -72,7 +72,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info  # noq
 from common import write_results  # noqa: E402
 import torchdata_overlord as ol  # noqa: E402
 from torchdata_overlord.runtime.local import LocalJob  # noqa: E402
-from torchdata_overlord.runtime.refs import PLANNER, constructor_actor, loader_actor  # noqa: E402
+from torchdata_overlord.runtime.refs import PLANNER, LoaderRef, constructor_actor, loader_actor  # noqa: E402
 from torchdata_overlord.sim.corpus import SOURCES, build_demo_corpus, default_corpus_root  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -413,12 +413,21 @@ def role_objects(job: LocalJob) -> tuple:
             [job.actor(constructor_actor(c)).constructor for c in range(len(job._constructors))])
 
 
+class SerialLoaderRef(LoaderRef):
+    """A loader reference whose deliveries run on the caller's thread (the Planner's), one loader
+    after another, instead of on each loader's own thread."""
+
+    def deliver(self, gen, step, indices, routes, where, timeout=None):
+        return self._now("deliver", gen, step, indices, routes, where, timeout=timeout)
+
+
 def instrument(job: LocalJob, rec: Recorder, fine: bool) -> None:
     """Wrap the roles' methods (instance attributes only; the library is not modified). In one
-    process the Planner's thread runs each step: the loaders' metadata, the plan, then the dispatch
-    (deliveries to the constructor, which builds the step on that thread, and the commit). The
-    ``fine`` (serial) pass also turns off the Planner's asking ahead, so that the loaders refill on
-    the Planner's thread at plan time, not on their own threads, and the timers add up to the wall time."""
+    process the Planner's thread runs each step: the plan, then the dispatch (every loader's
+    delivery, which sends its samples to the constructor and refills the buffer for the next step,
+    then the commit, in which the constructor builds the step on that thread). The ``fine``
+    (serial) pass also runs the deliveries on the Planner's thread instead of each loader's own, so
+    that the timers add up to the wall time."""
     planner, loaders, constructors = role_objects(job)
     planner._plan_one = rec.wrap("step", planner._plan_one)
     for l in loaders:
@@ -426,7 +435,8 @@ def instrument(job: LocalJob, rec: Recorder, fine: bool) -> None:
     if not fine:
         return
     planner.planner.plan = rec.wrap("plan", planner.planner.plan)
-    planner.ahead.ask = lambda gen, step: None   # serial: each step's metadata asked when it is planned
+    recovery = planner.recovery
+    recovery.loader_ref = lambda name: SerialLoaderRef(recovery.peers, name, recovery.timeout)
     planner._dispatch = rec.wrap("dispatch", planner._dispatch)
     for c in constructors:
         c.build = rec.wrap("build", c.build)
@@ -494,9 +504,9 @@ def run_library(corpus, workers: int, global_batch: int, warmup: int, steps: int
             "loader fill bookkeeping": T["fill"] - T["transform"] - T["read"],
             "metadata report": T["metadata"] - T["fill"],
             "plan (Planner.plan)": T["plan"],
-            "dispatch (deliver to the constructor, commit the state)": T["dispatch"] - T["build"],
+            "dispatch (deliver to the constructor, commit the state)": T["dispatch"] - T["build"] - T["metadata"],
             "construct (pack, CP split)": T["build"],
-            "rest of the Planner's step": T["step"] - T["metadata"] - T["plan"] - T["dispatch"],
+            "rest of the Planner's step": T["step"] - T["plan"] - T["dispatch"],
             "outside the Planner's step (requests, packaging, threads)": window - T["step"]}
         out["transformed_samples"] = rec.count("transform", lo, hi)
         out["transform_s"], out["read_s"] = T["transform"], T["read"]

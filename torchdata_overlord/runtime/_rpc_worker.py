@@ -28,7 +28,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from .rpc_agent import CPP_ERRORS_ONLY, LOOPBACK_ENV, init_rpc, set_cpp_log_level
-from .transport import ActorDied, ActorError, CallTimeout, TransportClosed, name_exception, settle
+from .transport import ActorDied, ActorError, CallTimeout, Deadlines, TransportClosed, name_exception, settle
 
 _DEAD_PEER = ("eof", "econnrefused", "connection reset", "connection refused", "broken pipe", "shutdown")
 _TIMEOUT = ("timeout", "timed out", "ran for more than")
@@ -94,6 +94,7 @@ class _Actor:
         self.pending: dict[str, dict[int, tuple]] = collections.defaultdict(dict)   # caller -> seq -> call
         self.next_seq: dict[str, int] = collections.defaultdict(int)
         self.ready: collections.deque = collections.deque()
+        self.busy = False                   # one of its calls runs (on its thread, or inline on a caller's)
         self.thread = threading.Thread(target=self._run, name=f"overlord-actor-{name}", daemon=True)
         self.thread.start()
 
@@ -102,17 +103,33 @@ class _Actor:
             self.obj, self.failure = obj, failure
             self.cv.notify_all()
 
-    def submit(self, caller: str, seq: int, method: str, args, kwargs) -> torch.futures.Future:
+    def submit(self, caller: str, seq: int, method: str, args, kwargs, inline: bool = False) -> torch.futures.Future:
+        """Queue call ``seq`` of ``caller`` (run in ``seq`` order per caller). ``inline``: the caller is
+        in this process and waits for the answer at once (see ``Transport.call``'s ``direct``): when
+        the actor is idle with nothing queued, the call runs on the caller's thread (no thread hand-over)."""
         fut = torch.futures.Future()
         with self.cv:
             mine = self.pending[caller]
-            mine[seq] = (fut, method, args, kwargs)
             nxt = self.next_seq[caller]
-            while nxt in mine:
-                self.ready.append(mine.pop(nxt))
-                nxt += 1
-            self.next_seq[caller] = nxt
-            self.cv.notify_all()
+            run_here = (inline and seq == nxt and not mine and not self.ready and not self.busy
+                        and self.obj is not self._UNSET and self.failure is None)
+            if run_here:
+                self.next_seq[caller], self.busy = nxt + 1, True
+            else:
+                mine[seq] = (fut, method, args, kwargs)
+                while nxt in mine:
+                    self.ready.append(mine.pop(nxt))
+                    nxt += 1
+                self.next_seq[caller] = nxt
+                self.cv.notify_all()
+        if run_here:
+            try:
+                self._execute(fut, method, args, kwargs)
+            finally:
+                with self.cv:
+                    self.busy = False
+                    if self.ready:
+                        self.cv.notify_all()
         return fut
 
     def stop(self) -> None:
@@ -126,23 +143,30 @@ class _Actor:
     def _run(self) -> None:
         while True:
             with self.cv:
-                while not self.ready or (self.obj is self._UNSET and self.failure is None):
+                while not self.ready or self.busy or (self.obj is self._UNSET and self.failure is None):
                     self.cv.wait()
                 item = self.ready.popleft()
+                self.busy = item is not None
             if item is None:
                 return
-            fut, method, args, kwargs = item
-            if self.failure is not None:
-                fut.set_result(self.failure)
-                continue
             try:
-                result = getattr(self.obj, method)(*args, **kwargs)
-            except BaseException as e:      # noqa: BLE001 - delivered to the caller
-                result = Failure(e)
-            if isinstance(result, cf.Future):
-                result.add_done_callback(lambda f, fut=fut: fut.set_result(_outcome(f)))
-            else:
-                fut.set_result(result)
+                self._execute(*item)
+            finally:
+                with self.cv:
+                    self.busy = False
+
+    def _execute(self, fut: torch.futures.Future, method: str, args, kwargs) -> None:
+        if self.failure is not None:
+            fut.set_result(self.failure)
+            return
+        try:
+            result = getattr(self.obj, method)(*args, **kwargs)
+        except BaseException as e:          # noqa: BLE001 - delivered to the caller
+            result = Failure(e)
+        if isinstance(result, cf.Future):
+            result.add_done_callback(lambda f, fut=fut: fut.set_result(_outcome(f)))
+        else:
+            fut.set_result(result)
 
 
 _ACTORS: dict[str, _Actor] = {}
@@ -246,15 +270,44 @@ def map_error(e: BaseException, actor: str, method: str, timeout: float) -> Base
     return ActorError(f"{actor}.{method}() failed in the transport: {type(e).__name__}: {e}")
 
 
+_LOCAL_DEADLINES: list = []
+
+
+def _local_deadlines() -> Deadlines:
+    with _SEQ_LOCK:
+        if not _LOCAL_DEADLINES:
+            _LOCAL_DEADLINES.append(Deadlines("overlord-local-deadlines"))
+        return _LOCAL_DEADLINES[0]
+
+
 def call_actor(worker: str, actor: str, method: str, args, kwargs, timeout: float,
-               on_error=map_error, ns: str = "") -> cf.Future:
+               on_error=map_error, ns: str = "", direct: bool = False) -> cf.Future:
     """Call ``actor.method(*args, **kwargs)`` of job ``ns`` on RPC worker ``worker``; a concurrent
-    future (errors name ``actor``, without the job prefix)."""
+    future (errors name ``actor``, without the job prefix). An actor of this very process is called
+    without RPC: no pickling, no socket, arguments passed by reference (as between the actors of
+    ``runtime="local"``), in the same order and under the same timeout as any call; ``direct`` (see
+    ``Transport.call``) runs it on this thread when the actor is idle."""
     key = ns + actor
     with _SEQ_LOCK:
         seq = next(_SEQ.setdefault(key, itertools.count()))
     caller = rpc.get_worker_info().name
     out: cf.Future = cf.Future()
+
+    def answer(result) -> None:
+        if isinstance(result, Failure):
+            settle(out, exc=result.rebuild(actor, method))
+        else:
+            settle(out, result)
+
+    if worker == caller:
+        target = _actor(key)
+        if target is None:
+            answer(_closed_job(key))
+            return out
+        _local_deadlines().add(out, timeout, lambda: CallTimeout(
+            f"{actor}.{method}() got no answer within its timeout of {timeout:g} s", actor))
+        target.submit(caller, seq, method, args, kwargs, inline=direct).add_done_callback(lambda f: answer(f.value()))
+        return out
     try:
         fut = rpc.rpc_async(worker, _invoke, args=(key, caller, seq, method, args, kwargs), timeout=timeout)
     except BaseException as e:             # noqa: BLE001
@@ -267,10 +320,7 @@ def call_actor(worker: str, actor: str, method: str, args, kwargs, timeout: floa
         except BaseException as e:         # noqa: BLE001
             settle(out, exc=on_error(e, actor, method, timeout))
             return
-        if isinstance(result, Failure):
-            settle(out, exc=result.rebuild(actor, method))
-        else:
-            settle(out, result)
+        answer(result)
 
     fut.add_done_callback(done)
     return out
@@ -287,7 +337,7 @@ class RpcPeers:
         self.placement, self.ns = dict(placement), ns
 
     def call(self, name: str, method: str, *args, timeout: float, direct: bool = False, **kwargs) -> cf.Future:
-        return call_actor(self.placement[name], name, method, args, kwargs, timeout, ns=self.ns)
+        return call_actor(self.placement[name], name, method, args, kwargs, timeout, ns=self.ns, direct=direct)
 
     def spawn(self, name: str, factory, args: tuple, worker: str, timeout: float = 60.0) -> None:
         """Start a (replacement) actor on RPC worker ``worker`` and remember where it lives."""

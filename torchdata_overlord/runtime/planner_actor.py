@@ -1,12 +1,13 @@
 """The Planner actor: plans each step once the leader client asks for it, and routes its samples.
 
 One step ``s`` (paper Fig. 5, the lazy workflow), when a constructor passes on the leader's request
-(``advance``): the Planner asks every Source Loader for its buffer ``metadata()`` (only
-``BufferMeta`` travels), plans (:func:`~.step.plan_step`), sends the Plan to every Data Constructor
-and orders every loader to ``deliver`` the step (the samples go loader -> constructor, never through
-the Planner), then ``commit``\\ s the job's state after the step to the constructors, which answer the
-clients. Only the leader's request plans, so the leader's feedback always reaches the plan it is
-meant for and the stream never depends on which client is fastest.
+(``advance``): the Planner takes every Source Loader's buffer metadata (only ``BufferMeta`` travels;
+the previous step's deliveries answered it, see :mod:`.ahead`), plans (:func:`~.step.plan_step`),
+orders every loader to ``deliver`` the step (the samples go loader -> constructor, never through the
+Planner), then ``commit``\\ s the plan and the job's state after the step to every Data Constructor,
+which build and answer the clients; the commits' answers are heard while the next step is planned.
+Only the leader's request plans, so the leader's feedback always reaches the plan it is meant for
+and the stream never depends on which client is fastest.
 
 A *generation* counts resets (``attach`` with a state, or a rewind after a failure): a call from an
 older generation fails with :class:`~.step.JobReset` instead of mixing two streams. What keeps the
@@ -60,6 +61,7 @@ class PlannerActor(RoleActor):
         self.attaches: dict[int, int] = collections.defaultdict(int)
         self.attach_waiting: list[tuple[int, int, int, cf.Future]] = []
         self.planned_steps = 0
+        self.committing: tuple[int, int, dict] | None = None   # (gen, step, constructor -> commit answer) not heard yet
         self.recovery = Recovery(self, policy or FaultPolicy())
         self.ahead = MetadataAhead(self.recovery)
 
@@ -137,36 +139,40 @@ class PlannerActor(RoleActor):
             plan = plan_step(self.planner, [metas[n] for n in self.sources], self.feedback, exhausted)
             self._dispatch(step, plan, seen)
         except BaseException as e:         # noqa: BLE001 - every client asking for this step or later gets it
-            self.failed = (step, e)
-            for name in r.constructor_names:
-                try:
-                    r.constructor_ref(name).fail(self.gen, step, e)
-                except Exception:          # noqa: BLE001 - a lost constructor's clients learn from their own call
-                    pass
+            self._fail(step, e)
+
+    def _fail(self, step: int, e: BaseException) -> None:
+        if self.failed is not None and self.failed[0] <= step:
+            return
+        self.failed = (step, e)
+        for name in self.recovery.constructor_names:
+            try:
+                self.recovery.constructor_ref(name).fail(self.gen, step, e)
+            except Exception:              # noqa: BLE001 - a lost constructor's clients learn from their own call
+                pass
 
     def _dispatch(self, step: int, plan: Plan, seen: int) -> None:
         r, gen = self.recovery, self.gen
         routes = route(plan, self.n, self.sources)
         while True:                         # a constructor replaced meanwhile: send again to the new one
             names = list(r.constructor_names)
-            info = {"constructors": names, "where": dict(r.spares.where)}
             try:
-                plans = {c: r.constructor_ref(names[c]).plan(gen, step, plan, routes.buckets[c], routes.expected[c], info)
-                         for c in range(self.n)}
-                args = {s: (gen, step, routes.sampled[s], {names[c]: idx for c, idx in routes.to[s].items()},
-                            dict(r.spares.where)) for s in self.sources}
-                states = r.each_loader(lambda ref, s: ref.deliver(*args[s], timeout=2 * self.timeout), step)
-                gather(plans, self.timeout)
+                self._hear()
                 if self.gen != gen:
                     return
-                r.loader_state = dict(states)
-                self.ahead.ask(gen, step + 1)
-                state = JobState.make(self.planner.state_dict(), states, self.feedback)
+                args = {s: (gen, step, routes.sampled[s], {names[c]: idx for c, idx in routes.to[s].items()},
+                            dict(r.spares.where)) for s in self.sources}
+                delivered = r.each_loader(lambda ref, s: ref.deliver(*args[s], timeout=2 * self.timeout), step)
+                if self.gen != gen:
+                    return
+                r.loader_state = {s: d.state for s, d in delivered.items()}
+                self.ahead.keep(gen, step + 1, delivered)
+                state = JobState.make(self.planner.state_dict(), r.loader_state, self.feedback)
                 self.versions[step + 1] = state
                 r.checkpoints.checkpoint(step + 1, state, routes.sampled)
-                delayed = len(r.events) > seen
-                heard = gather({c: r.constructor_ref(names[c]).commit(gen, step, state, delayed)
-                                for c in range(self.n)}, self.timeout)
+                info = {"constructors": names, "where": dict(r.spares.where), "delayed": len(r.events) > seen}
+                self.committing = (gen, step, {c: r.constructor_ref(names[c]).commit(gen, step, plan, routes.buckets[c],
+                                                                                     state, info) for c in range(self.n)})
                 break
             except FAILURES as e:
                 actor = getattr(e, "actor", None)
@@ -175,12 +181,27 @@ class PlannerActor(RoleActor):
                 r.replace_constructor(names.index(actor), step, e)
                 return                      # rewound: the clients ask again in the new generation
         self.planned_steps += 1
+        for s in self.sources:
+            r.shadows.follow(s, step + 1)
+
+    def _hear(self) -> None:
+        """The constructors' answers to the last commit (awaited while the next step is planned, not
+        before): what every client has consumed, releasing the steps all of them did. A constructor
+        that failed it is raised (and replaced by the caller); any other error fails that step."""
+        committing, self.committing = self.committing, None
+        if committing is None or committing[0] != self.gen:
+            return
+        try:
+            heard = gather(committing[2], self.timeout)
+        except FAILURES:
+            raise
+        except BaseException as e:         # noqa: BLE001
+            self._fail(committing[1], e)
+            raise
         for got in heard.values():
             for client, n in got.items():
                 self.consumed[int(client)] = max(self.consumed.get(int(client), 0), int(n))
         self._release()
-        for s in self.sources:
-            r.shadows.follow(s, step + 1)
 
     def _release(self) -> None:
         below = min(self.consumed.get(c, self.released) for c in range(self.clients))
@@ -200,6 +221,7 @@ class PlannerActor(RoleActor):
             raise ConfigError(f"state has sources {sorted(state[JobState.LOADERS])}, this job has {sorted(self.sources)}")
         self.planner.load_state_dict(state[JobState.PLANNER])
         self.gen += 1
+        self.committing = None
         self.feedback = FeedbackLog(state.get(JobState.FEEDBACK, []))
         self.consumed, self.released, self.failed = {}, self.step, None
         # the new line of history is written first: a loader replaced during the reset restores from it
