@@ -31,7 +31,8 @@ from .feedback import FeedbackLog
 from .ahead import MetadataAhead
 from .recovery import Recovery
 from .refs import PLANNER
-from .role import RoleActor, fail_all, gather
+from .releases import Releases
+from .role import RoleActor, fail_all
 from .step import JobClosed, JobReset, JobState, plan_step, route
 from .transport import settle
 
@@ -54,14 +55,12 @@ class PlannerActor(RoleActor):
         self.gen = 0
         self.feedback = FeedbackLog()                  # the leader's feedback for steps not planned yet
         self.versions: dict[int, dict] = {}            # steps planned -> the job's state then (for rewinds)
-        self.consumed: dict[int, int] = {}             # client -> steps it consumed (as the constructors heard)
-        self.released = 0
+        self.releases = Releases(self)                 # what every client consumed; steps to forget
         self.failed: tuple[int, BaseException] | None = None
         self.leader_starts: list[tuple[int, int]] = []  # (generation, start step) of each leader attach
         self.attaches: dict[int, int] = collections.defaultdict(int)
         self.attach_waiting: list[tuple[int, int, int, cf.Future]] = []
         self.planned_steps = 0
-        self.committing: tuple[int, int, dict] | None = None   # (gen, step, constructor -> commit answer) not heard yet
         self.recovery = Recovery(self, policy or FaultPolicy())
         self.ahead = MetadataAhead(self.recovery)
 
@@ -139,9 +138,10 @@ class PlannerActor(RoleActor):
             plan = plan_step(self.planner, [metas[n] for n in self.sources], self.feedback, exhausted)
             self._dispatch(step, plan, seen)
         except BaseException as e:         # noqa: BLE001 - every client asking for this step or later gets it
-            self._fail(step, e)
+            self.fail_from(step, e)
 
-    def _fail(self, step: int, e: BaseException) -> None:
+    def fail_from(self, step: int, e: BaseException) -> None:
+        """``step`` and every later one fail with ``e`` (the constructors answer their clients so)."""
         if self.failed is not None and self.failed[0] <= step:
             return
         self.failed = (step, e)
@@ -157,7 +157,7 @@ class PlannerActor(RoleActor):
         while True:                         # a constructor replaced meanwhile: send again to the new one
             names = list(r.constructor_names)
             try:
-                self._hear()
+                self.releases.hear()
                 if self.gen != gen:
                     return
                 args = {s: (gen, step, routes.sampled[s], {names[c]: idx for c, idx in routes.to[s].items()},
@@ -171,8 +171,8 @@ class PlannerActor(RoleActor):
                 self.versions[step + 1] = state
                 r.checkpoints.checkpoint(step + 1, state, routes.sampled)
                 info = {"constructors": names, "where": dict(r.spares.where), "delayed": len(r.events) > seen}
-                self.committing = (gen, step, {c: r.constructor_ref(names[c]).commit(gen, step, plan, routes.buckets[c],
-                                                                                     state, info) for c in range(self.n)})
+                self.releases.committed(gen, step, {c: r.constructor_ref(names[c]).commit(
+                    gen, step, plan, routes.buckets[c], state, info) for c in range(self.n)})
                 break
             except FAILURES as e:
                 actor = getattr(e, "actor", None)
@@ -184,35 +184,6 @@ class PlannerActor(RoleActor):
         for s in self.sources:
             r.shadows.follow(s, step + 1)
 
-    def _hear(self) -> None:
-        """The constructors' answers to the last commit (awaited while the next step is planned, not
-        before): what every client has consumed, releasing the steps all of them did. A constructor
-        that failed it is raised (and replaced by the caller); any other error fails that step."""
-        committing, self.committing = self.committing, None
-        if committing is None or committing[0] != self.gen:
-            return
-        try:
-            heard = gather(committing[2], self.timeout)
-        except FAILURES:
-            raise
-        except BaseException as e:         # noqa: BLE001
-            self._fail(committing[1], e)
-            raise
-        for got in heard.values():
-            for client, n in got.items():
-                self.consumed[int(client)] = max(self.consumed.get(int(client), 0), int(n))
-        self._release()
-
-    def _release(self) -> None:
-        below = min(self.consumed.get(c, self.released) for c in range(self.clients))
-        if below <= self.released:
-            return
-        self.released = below
-        for v in [v for v in self.versions if v < below]:
-            del self.versions[v]
-        for name in self.recovery.constructor_names:   # answered in order before any later plan of this constructor
-            self.recovery.constructor_ref(name).release(self.gen, below)
-
     # -- generations ----------------------------------------------------------------------------------
     def new_generation(self, state: Mapping) -> None:
         """Every role back to ``state`` (a new generation): a loaded checkpoint, or a rewind."""
@@ -221,9 +192,9 @@ class PlannerActor(RoleActor):
             raise ConfigError(f"state has sources {sorted(state[JobState.LOADERS])}, this job has {sorted(self.sources)}")
         self.planner.load_state_dict(state[JobState.PLANNER])
         self.gen += 1
-        self.committing = None
         self.feedback = FeedbackLog(state.get(JobState.FEEDBACK, []))
-        self.consumed, self.released, self.failed = {}, self.step, None
+        self.releases.reset(self.step)
+        self.failed = None
         # the new line of history is written first: a loader replaced during the reset restores from it
         r.loader_state = {s: dict(state[JobState.LOADERS][s]) for s in self.sources}
         v = self.step
@@ -266,8 +237,8 @@ class PlannerActor(RoleActor):
         return self.recovery.roles()
 
     def stats(self) -> dict:
-        return {"generation": self.gen, "next_step": self.step, "released_below": self.released,
-                "steps_planned": self.planned_steps, "consumed": dict(self.consumed),
+        return {"generation": self.gen, "next_step": self.step, "released_below": self.releases.released,
+                "steps_planned": self.planned_steps, "consumed": dict(self.releases.consumed),
                 "pending_feedback": len(self.feedback), "recoveries": list(self.recovery.events),
                 "roles": self.roles()}
 

@@ -171,8 +171,8 @@ class Recovery:
         name = self._start_constructor(c, step, err)
         # its predecessor checkpointed where the clients were; the Planner's own position is newer or equal
         resume = self.constructor_ref(name).resume_point().result(self.timeout)
-        self.job.rewind(self.job.released)
-        self._event("constructor", old, step, t0, f"replaced on a spare, rewound to step {self.job.released} (its "
+        self.job.rewind(self.job.releases.released)
+        self._event("constructor", old, step, t0, f"replaced on a spare, rewound to step {self.job.releases.released} (its "
                     f"checkpoint said {resume})", err)
 
     def report_failure(self, actor: str, step: int) -> None:
