@@ -151,6 +151,8 @@ def runtimes_table(data: dict) -> list[str]:
                          f"{l['wait_p99_ms']:.2f} | {100 * l['queue_empty_fraction']:.0f}% |")
     if t:
         lines += ["", f"- transport: handing the planned samples from the Source Loaders to the Data Constructors "
+                      f"(from a loader's sending its parts to the last constructor's answer; the loader refills its "
+                      f"buffer meanwhile, so over RPC this includes waiting for the GIL that refill holds) "
                       f"costs {t['take_rpc_us_per_sample']:.0f} us per sample over RPC against "
                       f"{t['take_local_us_per_sample']:.1f} us in process ({t['kib_per_sample']:.0f} KiB of "
                       f"tensors per sample); 1/samples/s differs by {t['throughput_delta_us_per_sample']:.0f} us per "

@@ -447,6 +447,8 @@ def main(argv=None) -> int:
                               "2-thread transform pool per source (fewer processes, GIL-bound transforms)."),
            "transport_note": ("hand-over = wall time per step of moving the planned samples from the Source Loaders "
                               "to the Data Constructors (rpc: each loader's put RPCs until every constructor answered, "
+                              "while the loader refills its buffer for the next step, so including waits for the GIL "
+                              "the refill holds; "
                               "serialisation + TensorPipe + deserialisation, averaged over the loaders, which send in "
                               "parallel; local: in-process calls), over the throughput window; the throughput "
                               "delta includes every RPC hop."),

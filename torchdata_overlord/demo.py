@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--scale", default="demo", choices=["demo", "test"])
     ap.add_argument("--show-plan", action="store_true", help="draw the last step's plan")
     ap.add_argument("--runtime", default="local", choices=["local", "rpc"],
-                    help="local: every role in this process; rpc: the roles in worker processes over torch.distributed.rpc")
+                    help="local: every role in this process; rpc: the roles in worker processes over "
+                         "torch.distributed.rpc")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 

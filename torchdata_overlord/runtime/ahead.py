@@ -1,7 +1,7 @@
 """The loaders' metadata one step ahead: each ``deliver(step)`` answers with the metadata of the
 loader's refilled buffer (:class:`~.loader_actor.Delivery`), so the next step is planned without
-asking again; a loader refills while the constructors build, and a step costs one call per loader,
-not two. An answer from a loader replaced since, or of another generation or step, is not used: such
+asking again; a loader refills while its parts travel to the constructors, and a step costs one
+call per loader, not two. An answer from a loader replaced since, or of another generation or step, is not used: such
 a loader is asked ``metadata()`` (the first step, after a reset or a replacement)."""
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ class _Waiter:
 
 
 class _Work:
-    """One step at one constructor: the parts delivered, the plan and state once committed, the built buckets, who waits."""
+    """One step at one constructor: the parts delivered, the plan and state once committed, the built
+    buckets, who waits."""
 
     def __init__(self):
         self.plan: Plan | None = None

@@ -171,9 +171,10 @@ class Recovery:
         name = self._start_constructor(c, step, err)
         # its predecessor checkpointed where the clients were; the Planner's own position is newer or equal
         resume = self.constructor_ref(name).resume_point().result(self.timeout)
-        self.job.rewind(self.job.releases.released)
-        self._event("constructor", old, step, t0, f"replaced on a spare, rewound to step {self.job.releases.released} (its "
-                    f"checkpoint said {resume})", err)
+        to = self.job.releases.released
+        self.job.rewind(to)
+        self._event("constructor", old, step, t0, f"replaced on a spare, rewound to step {to} (its checkpoint said "
+                    f"{resume})", err)
 
     def report_failure(self, actor: str, step: int) -> None:
         """A client saw ``actor`` fail: replace it if it still serves and does not answer (idempotent)."""

@@ -91,7 +91,8 @@ def call_actor(worker: str, actor: str, method: str, args, kwargs, timeout: floa
         try:
             result = unpack(*result)
         except Exception as e:             # noqa: BLE001
-            settle(out, exc=ActorError(f"{actor}.{method}(): its answer does not unpickle here: {type(e).__name__}: {e}"))
+            settle(out, exc=ActorError(f"{actor}.{method}(): its answer does not unpickle here: "
+                                       f"{type(e).__name__}: {e}"))
             return
         answer(result)
 
