@@ -72,7 +72,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info  # noq
 from common import write_results  # noqa: E402
 import torchdata_overlord as ol  # noqa: E402
 from torchdata_overlord.runtime.local import LocalJob  # noqa: E402
-from torchdata_overlord.runtime.refs import PLANNER, constructor_actor, loader_actor  # noqa: E402
+from torchdata_overlord.runtime.refs import PLANNER, LoaderRef, constructor_actor, loader_actor  # noqa: E402
 from torchdata_overlord.sim.corpus import SOURCES, build_demo_corpus, default_corpus_root  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -413,12 +413,21 @@ def role_objects(job: LocalJob) -> tuple:
             [job.actor(constructor_actor(c)).constructor for c in range(len(job._constructors))])
 
 
+class SerialLoaderRef(LoaderRef):
+    """A loader reference whose deliveries run on the caller's thread (the Planner's), one loader
+    after another, instead of on each loader's own thread."""
+
+    def deliver(self, gen, step, indices, routes, where, timeout=None):
+        return self._now("deliver", gen, step, indices, routes, where, timeout=timeout)
+
+
 def instrument(job: LocalJob, rec: Recorder, fine: bool) -> None:
     """Wrap the roles' methods (instance attributes only; the library is not modified). In one
-    process the Planner's thread runs each step: the loaders' metadata, the plan, then the dispatch
-    (deliveries to the constructor, which builds the step on that thread, and the commit). The
-    ``fine`` (serial) pass also turns off the Planner's asking ahead, so that the loaders refill on
-    the Planner's thread at plan time, not on their own threads, and the timers add up to the wall time."""
+    process the Planner's thread runs each step: the plan, then the dispatch (every loader's
+    delivery, which sends its samples to the constructor and refills the buffer for the next step,
+    then the commit, in which the constructor builds the step on that thread). The ``fine``
+    (serial) pass also runs the deliveries on the Planner's thread instead of each loader's own, so
+    that the timers add up to the wall time."""
     planner, loaders, constructors = role_objects(job)
     planner._plan_one = rec.wrap("step", planner._plan_one)
     for l in loaders:
@@ -426,7 +435,8 @@ def instrument(job: LocalJob, rec: Recorder, fine: bool) -> None:
     if not fine:
         return
     planner.planner.plan = rec.wrap("plan", planner.planner.plan)
-    planner.ahead.ask = lambda gen, step: None   # serial: each step's metadata asked when it is planned
+    recovery = planner.recovery
+    recovery.loader_ref = lambda name: SerialLoaderRef(recovery.peers, name, recovery.timeout)
     planner._dispatch = rec.wrap("dispatch", planner._dispatch)
     for c in constructors:
         c.build = rec.wrap("build", c.build)
@@ -494,9 +504,9 @@ def run_library(corpus, workers: int, global_batch: int, warmup: int, steps: int
             "loader fill bookkeeping": T["fill"] - T["transform"] - T["read"],
             "metadata report": T["metadata"] - T["fill"],
             "plan (Planner.plan)": T["plan"],
-            "dispatch (deliver to the constructor, commit the state)": T["dispatch"] - T["build"],
+            "dispatch (deliver to the constructor, commit the state)": T["dispatch"] - T["build"] - T["metadata"],
             "construct (pack, CP split)": T["build"],
-            "rest of the Planner's step": T["step"] - T["metadata"] - T["plan"] - T["dispatch"],
+            "rest of the Planner's step": T["step"] - T["plan"] - T["dispatch"],
             "outside the Planner's step (requests, packaging, threads)": window - T["step"]}
         out["transformed_samples"] = rec.count("transform", lo, hi)
         out["transform_s"], out["read_s"] = T["transform"], T["read"]
@@ -519,25 +529,56 @@ def _fmt_func(key) -> str:
 
 
 def profile_library(corpus, global_batch: int, warmup: int, steps: int, seed: int, method: str) -> dict:
-    """cProfile of the library's own work per step, serial, in this thread: the loaders are filled
-    (read + transform) before each step with the profiler off, so ``step()`` finds full buffers and
-    what is profiled is metadata, planning, staging, construction and ``state_dict()`` only."""
+    """cProfile of the library's own work per step, serial, on the Planner's thread (where one step
+    runs: the plan, the deliveries, made serial as in the ``fine`` pass, and the commit with its
+    build; ``state_dict()`` too): the loaders are filled (read + transform) before each step with the
+    profiler off, so the step finds full buffers and what is profiled is metadata, planning, staging,
+    construction and ``state_dict()`` only (a delivery's refill for the next step is left out too)."""
     mesh = ol.ClientPlaceTree(**MESH)
     job = LocalJob(make_sources(corpus, seed, None), make_strategy(method), mesh, global_batch, None, seed=seed, workers=0,
                    image_token_id=corpus.image_token_id)
     prof = cProfile.Profile()
+    on = [False]
+    planner = role_objects(job)[0]
+    recovery = planner.recovery
+    recovery.loader_ref = lambda name: SerialLoaderRef(recovery.peers, name, recovery.timeout)
+
+    def profiled(fn):
+        def run(*args, **kwargs):
+            if on[0]:
+                prof.enable()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if on[0]:
+                    prof.disable()
+        return run
+
+    def unprofiled(fn):
+        def run(*args, **kwargs):
+            if on[0]:
+                prof.disable()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if on[0]:
+                    prof.enable()
+        return run
+
+    planner._plan_one, planner.state_dict = profiled(planner._plan_one), profiled(planner.state_dict)
+    for loader in role_objects(job)[1]:          # a delivery's refill reads and transforms: not the library's own
+        loader.fill = unprofiled(loader.fill)
     wall = 0.0
     try:
         for i in range(warmup + steps):
+            on[0] = False
             for loader in role_objects(job)[1]:
                 loader.fill()
-            if i >= warmup:
-                t0 = time.perf_counter()
-                prof.enable()
+            on[0] = i >= warmup
+            t0 = time.perf_counter()
             job.step()
             job.state_dict()
-            if i >= warmup:
-                prof.disable()
+            if on[0]:
                 wall += time.perf_counter() - t0
     finally:
         job.close()
@@ -545,7 +586,8 @@ def profile_library(corpus, global_batch: int, warmup: int, steps: int, seed: in
     rows = [{"function": _fmt_func(k), "ncalls": v[1], "tottime_s": v[2], "cumtime_s": v[3]}
             for k, v in st.stats.items()]
     library = [r for r in rows if r["function"].startswith("torchdata_overlord/")]
-    return {"steps": steps, "profiled_wall_s": wall, "note": "cProfile inflates per-call costs; compare shares",
+    return {"steps": steps, "profiled_wall_s": st.total_tt, "steps_wall_s": wall,
+            "note": "cProfile inflates per-call costs; compare shares",
             "top_tottime": sorted(rows, key=lambda r: -r["tottime_s"])[:10],
             "top_library_cumtime": sorted(library, key=lambda r: -r["cumtime_s"])[:10]}
 

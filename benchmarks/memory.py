@@ -21,9 +21,11 @@ other processes map libtorch.
   worker has drawn from every source (so each holds S row groups). Derived: a job of D x CP x PP
   ranks runs one such DataLoader per rank (the parallelism redundancy: CP and PP ranks load the same
   data again), so its total is ranks x the measured rank.
-* this library: ``OverlordLoader(runtime="rpc", rank=None)`` on a ``dp=D`` mesh: the Planner, one
-  Source Loader per source and one Data Constructor per DP group, one process each, forked from the
-  runtime's fork server (it and multiprocessing's resource tracker are counted as helpers).
+* this library: ``OverlordLoader(runtime="rpc", rank=None)`` on a ``dp=D`` mesh at its default
+  placement: the Planner, one Source Loader per source and one Data Constructor per DP group as
+  actors in as many worker processes as the cores the trainer leaves free (at most one per role),
+  forked from the runtime's fork server (it and multiprocessing's resource tracker are counted as
+  helpers).
   Measured: a real job per (S, D) for S in ``library_sources`` and each (S, D) in ``library_extra``; *plane* = every process but the
   trainer, *client* = the trainer's growth (its RPC agent, sources' footers, fetched batches).
   Derived: the roles do not depend on CP, PP or W (a measured job on a CP x PP mesh checks it);
@@ -618,7 +620,7 @@ def print_table(rows: list[dict], cross: list[dict], check: dict | None, unit: d
               f"{st['library_wins_at']} (fitted crossover: {st['crossover_s_fitted']}); peak: at "
               f"{pk['library_wins_at']} (fitted: {pk['crossover_s_fitted']})")
     print(f"  per source (steady): {unit['colocated_mib_per_worker_per_source']:.2f} MiB in every colocated worker, "
-          f"{unit['library_mib_per_loader']:.1f} MiB for the library's Source Loader process: the library's is smaller "
+          f"{unit['library_mib_per_loader']:.1f} MiB per Source Loader in the library: the library's is smaller "
           f"once D x CP x PP x W > {unit['break_even_workers']}")
     if check:
         print(f"  CP/PP check, S={check['sources']} D={check['dp']}: roles {check['plane_mib']['steady']} MiB steady "

@@ -151,10 +151,22 @@ def runtimes_table(data: dict) -> list[str]:
                          f"{l['wait_p99_ms']:.2f} | {100 * l['queue_empty_fraction']:.0f}% |")
     if t:
         lines += ["", f"- transport: handing the planned samples from the Source Loaders to the Data Constructors "
+                      f"(from a loader's sending its parts to the last constructor's answer; the loader refills its "
+                      f"buffer meanwhile, so over RPC this includes waiting for the GIL that refill holds) "
                       f"costs {t['take_rpc_us_per_sample']:.0f} us per sample over RPC against "
                       f"{t['take_local_us_per_sample']:.1f} us in process ({t['kib_per_sample']:.0f} KiB of "
                       f"tensors per sample); 1/samples/s differs by {t['throughput_delta_us_per_sample']:.0f} us per "
                       f"sample (rpc - local, every RPC hop and the different transform parallelism included)."]
+    v, sr = data.get("verdict", {}), data.get("steprate") or {}
+    if "steprate_rpc_over_local" in v:
+        cfg, rate = sr["config"], {k: sorted(r["steps_per_s"] for r in runs_) for k, runs_ in sr["runs"].items()}
+        med = {k: x[len(x) // 2] for k, x in rate.items()}
+        lines += ["", f"- step rate (issue 12), global batch {cfg['global_batch']}, mesh "
+                      f"{', '.join(f'{k}={n}' for k, n in cfg['mesh'].items())}, default settings, nothing but `next()` "
+                      f"in the loop: local {med['local']:.1f} steps/s, rpc {med['rpc']:.1f} steps/s "
+                      f"({v['steprate_rpc_processes']} processes): rpc/local {v['steprate_rpc_over_local']:.2f} "
+                      f"(target >= {cfg['target_rpc_over_local']}; medians of {len(rate['rpc'])} interleaved runs, "
+                      f"per round {', '.join(f'{x:.2f}' for x in v.get('steprate_rpc_over_local_each_round', []))})."]
     lines += ["", data.get("processes_note", "")]
     return lines
 
@@ -231,10 +243,12 @@ def memory_table(data: dict) -> list[str]:
     m, c = data["machine"], data["config"]
     plane, client = data["library_fit"]["plane"]["steady"], data["library_fit"]["client"]["steady"]
     worst = max(abs(r["mib"]) for r in plane["residuals"])
+    procs = " or ".join(str(n) for n in sorted({x["role_processes"] for x in data["library_measured"]}))
     lines = [f"**Memory** (`python benchmarks/memory.py`, {data['date']}, {m['cores']} cores, {m['memory_gib']} GiB): "
              f"a `DataLoader` per trainer rank (W workers, each opening all S sources) against `OverlordLoader("
-             f"runtime=\"rpc\")` (the Planner, a Source Loader per source and a Data Constructor per DP group, one "
-             f"process each), the same Parquet reading (row groups of {c['rows_per_row_group']} rows, ~"
+             f"runtime=\"rpc\")` at its default placement (the Planner, a Source Loader per source and a Data "
+             f"Constructor per DP group as actors in {procs} worker process(es) on this machine), the same Parquet "
+             f"reading (row groups of {c['rows_per_row_group']} rows, ~"
              f"{c['row_group_kib']} KiB) and tokenizing. Sum of anonymous PSS (`Pss_Anon + Pss_Shmem`, smaps_rollup) "
              f"over every process, the trainer's own imports excluded; shared-library pages left out (every rank maps "
              f"them either way). *colocated*: one rank measured, times D x CP x PP ranks; *library*: the roles "
@@ -267,8 +281,8 @@ def memory_table(data: dict) -> list[str]:
                  f"{data['paper_ratio']}x.")
     u = data["per_source"]
     lines.append(f"- Per source (steady): every colocated worker holds {u['colocated_mib_per_worker_per_source']:.2f} "
-                 f"MiB more (its reader and row group); the library pays a Source Loader process, "
-                 f"{u['library_mib_per_loader']:.1f} MiB, so its per-source cost is the smaller once D x CP x PP x W > "
+                 f"MiB more (its reader and row group); the library pays {u['library_mib_per_loader']:.1f} MiB per "
+                 f"Source Loader, so its per-source cost is the smaller once D x CP x PP x W > "
                  f"{u['break_even_workers']:.0f}. Fitted over the measured jobs (residuals within {worst:.0f} MiB): "
                  f"{u['library_mib_per_loader']:.1f} MiB per loader"
                  + (f", {u['library_mib_per_constructor']:.1f} MiB per Data Constructor"

@@ -247,7 +247,8 @@ def test_rpc_job_equals_local_job_and_resumes_across_runtimes(corpus, reference,
 @pytest.mark.slow
 def test_rpc_roles_own_their_files_and_report_processes(corpus, tmp_path):
     """Each source's Parquet files are opened by its own loader process only, never by the trainer; a
-    default job gives each role its own process and nothing listens beyond loopback."""
+    default job puts its roles in as many processes as the cores the trainer leaves free (at least one,
+    at most one per role) and nothing listens beyond loopback."""
     out = tmp_path / "fds.json"
     script = f"""
 import json, os, sys
@@ -302,8 +303,10 @@ json.dump(report, open({str(out)!r}, "w"))
     assert rep["constructors"]["constructor:0"]["steps_built"] >= 4
     assert rep["constructors"]["constructor:1"]["steps_built"] == 0
     assert rep["planner"]["next_step"] >= 4 and all(c["waiting_fetches"] <= 1 for c in rep["constructors"].values())
-    # a default single-node job: one process per role, and every process listens on loopback only
-    assert len(set(rep["roles"].values())) == len(rep["roles"]) == 5
+    # a default single-node job: the roles share the cores the trainer leaves free; every process
+    # listens on loopback only
+    assert len(rep["roles"]) == 5
+    assert len(set(rep["roles"].values())) == max(1, min(5, len(os.sched_getaffinity(0)) - 1))
     assert all(rep["listening"][pid] for pid in rep["listening"]), rep["listening"]
     assert all(a.startswith("127.0.0.1:") for addrs in rep["listening"].values() for a in addrs), rep["listening"]
 
@@ -429,3 +432,23 @@ json.dump({{"error": error, "roles": roles, "spares": spares, "children": [c for
     assert len(rep["spares"]) == 1 and rep["spares"][0] not in rep["roles"]     # an idle spare process
     assert rep["children"] == []
     assert not [p for p in rep["roles"] + rep["spares"] if _alive(p)]
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 8, 64])
+def test_default_placement_shares_the_free_cores_and_isolates_roles_under_fault_tolerance(corpus, monkeypatch, tmp_path,
+                                                                                          cores):
+    """Without ``n_workers``, the roles of a job go in as many processes as the cores the trainer leaves
+    free (at least one, at most one per role); with a checkpoint store or shadows, each role gets its own
+    process, so a failure takes down one role."""
+    from torchdata_overlord.runtime import job_config
+    from torchdata_overlord.runtime.job_config import RoleConfig
+
+    monkeypatch.setattr(job_config, "usable_cores", lambda: cores)
+    cfg = RoleConfig(make_sources(corpus), vlm_strategy, make_mesh(), 8, None)
+    roles = len(cfg.roles)
+    assert roles == 5                                   # Planner, 2 Source Loaders, 2 Data Constructors
+    assert cfg.default_workers() == {1: 1, 2: 1, 3: 2, 8: 5, 64: 5}[cores]
+    kept = RoleConfig(make_sources(corpus), vlm_strategy, make_mesh(), 8, None, checkpoint_dir=str(tmp_path))
+    assert kept.default_workers() == roles
+    shadowed = RoleConfig(make_sources(corpus), vlm_strategy, make_mesh(), 8, None, shadows=True)
+    assert shadowed.default_workers() == len(shadowed.roles) == 7

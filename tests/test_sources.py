@@ -266,3 +266,71 @@ def test_file_and_node_sources_stream_the_same_in_both_runtimes(tmp_path):
     assert_identical(got["rpc"], got["local"])
     assert_identical(got["local-tail"], got["local"][6:])             # resumed at step 6, in each runtime
     assert_identical(got["rpc-tail"], got["local"][6:])
+
+
+# -- a read error while refilling ------------------------------------------------------------------
+
+class BreaksAt(BaseNode):
+    """A node whose reads fail at item ``at`` (a disk gone mid-run): items before it are good."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def reset(self, initial_state=None):
+        super().reset(initial_state)
+        self.i = 0 if initial_state is None else initial_state["i"]
+
+    def next(self):
+        if self.i == self.at:
+            raise OSError(f"disk gone at item {self.i}")
+        self.i += 1
+        return {"input_ids": torch.arange(1 + self.i % 5)}
+
+    def get_state(self):
+        return {"i": self.i}
+
+
+def breaks_at_10():
+    return BreaksAt(10)
+
+
+def single_source_strategy(g):
+    return g.mix({"n": 1.0}).distribute("DP").cost(ol.token_count).balance("greedy").plan()
+
+
+_REFILL_SCRIPT = """
+import sys, json
+sys.path.insert(0, {tests!r})
+import torchdata_overlord as ol
+from test_sources import breaks_at_10, single_source_strategy
+out = {{}}
+for runtime in ("local", "rpc"):
+    got = []
+    with ol.OverlordLoader([ol.NodeSource("n", breaks_at_10)], single_source_strategy, ol.ClientPlaceTree(dp=1),
+                           rank=0, global_batch=4, seq_len=None, runtime=runtime, prefetch=1) as loader:
+        try:
+            for item in loader:
+                got.append(sorted(k for mb in item["microbatches"] for k in mb["sample_keys"]))
+        except ol.OverlordError as e:
+            out[runtime] = {{"steps": got, "error": f"{{type(e).__name__}}: {{e}}"}}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_read_error_while_refilling_fails_the_next_step_not_the_one_delivered(tmp_path):
+    """A loader refills its buffer as it delivers a step (for the next step's plan): a read that fails
+    then is the next step's error, raised once, naming the source and item; every sample read before
+    it is delivered, in both runtimes."""
+    script = _REFILL_SCRIPT.format(tests=str(ROOT / "tests"))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for runtime in ("local", "rpc"):
+        got = out[runtime]
+        # items 0..9 are good: two full steps of 4 (buffer = global batch), then the refill reaching
+        # item 10 fails, so step 2 fails (its buffer would need items 8..11)
+        assert [len(s) for s in got["steps"]] == [4, 4], got
+        assert sorted(k for s in got["steps"] for k in s) == sorted(f"n:{i}" for i in range(8))
+        assert "SourceReadError" in got["error"] and "item 10" in got["error"] and "disk gone" in got["error"], got

@@ -73,6 +73,35 @@ class Counter:
         time.sleep(seconds)
         return seconds
 
+    def unpicklable(self):
+        return lambda: None
+
+
+class Relay:
+    """An actor that calls other actors through the peers handle roles get (as a loader puts to a constructor)."""
+
+    def __init__(self, peers):
+        self.peers = peers
+
+    def same_object(self, name):
+        """Whether ``name``'s echo answers with the very object sent (passed by reference, no pickling)."""
+        sent = {"payload": torch.arange(4)}
+        return self.peers.call(name, "echo", sent, timeout=20).result(25) is sent
+
+    def runs_here(self, name, direct):
+        """Whether ``name``'s call ran on this actor's own thread."""
+        mine = threading.get_ident()
+        return self.peers.call(name, "thread_id", timeout=20, direct=direct).result(25) == mine
+
+    def ordered(self, name, n):
+        futs = [self.peers.call(name, "add", k, timeout=20, direct=k % 2 == 0) for k in range(n)]
+        return [f.result(25) for f in futs]
+
+
+class Probe(Counter):
+    def thread_id(self):
+        return threading.get_ident()
+
 
 def _plans(transport, name, steps=3):
     transport.start_actor(name, make_planner)
@@ -177,6 +206,34 @@ def test_inprocess_planner_matches_direct_planner():
         assert _plans(t, "planner") == direct
 
 
+def test_deadlines_fail_late_calls_and_hold_no_answered_call():
+    """A call not answered in time fails with CallTimeout; an answered one is not kept alive by its
+    deadline (the heap holds futures weakly and is swept), whatever the number of calls."""
+    import gc
+    import weakref
+
+    from torchdata_overlord.runtime.transport import Deadlines
+
+    d = Deadlines("test-deadlines")
+    try:
+        late = cf.Future()
+        d.add(late, 0.2, lambda: CallTimeout("late", "a"))
+        answered = []
+        for i in range(5000):
+            f = cf.Future()
+            d.add(f, 300.0, lambda: CallTimeout("never", "b"))
+            f.set_result([i])
+            answered.append(weakref.ref(f))
+        with pytest.raises(CallTimeout, match="late"):
+            late.result(5)
+        del f
+        gc.collect()
+        assert all(r() is None for r in answered)              # nothing answered is kept alive
+        assert len(d._heap) < 2 * Deadlines._SWEEP_AT           # swept as entries piled up
+    finally:
+        d.close()
+
+
 # ------------------------------------------------------------------------------------ rpc
 
 @pytest.fixture(scope="module")
@@ -231,6 +288,38 @@ def test_rpc_listens_on_loopback_only(rpc_transport):
         listening = listening_addresses(pid)
         assert listening, f"pid {pid}: the rpc agent should listen somewhere"
         assert all(a.startswith("127.0.0.1:") for a in listening), (pid, listening)
+
+
+@pytest.mark.slow
+def test_rpc_actors_of_one_process_call_each_other_without_rpc(rpc_transport):
+    """Actors in one worker call each other directly: arguments by reference (no pickling), a direct
+    call to an idle actor on the caller's own thread, calls in order; across workers they are pickled."""
+    rpc_transport.place({"relay": 0, "near": 0, "far": 1})
+    rpc_transport.start_actor("near", Probe, worker=0)
+    rpc_transport.start_actor("far", Probe, worker=1)
+    rpc_transport.start_actor("relay", Relay, rpc_transport.peers(), worker=0)
+    call = lambda *a: rpc_transport.call("relay", *a, timeout=30).result(40)        # noqa: E731
+    assert call("same_object", "near") is True
+    assert call("same_object", "far") is False
+    assert call("runs_here", "near", True) is True
+    assert call("runs_here", "near", False) is False
+    assert call("runs_here", "far", True) is False
+    assert call("ordered", "near", 30) == [sum(range(k + 1)) for k in range(30)]
+
+
+@pytest.mark.slow
+def test_rpc_arguments_or_answers_that_do_not_pickle_fail_that_call_only(rpc_transport):
+    from torchdata_overlord.runtime.transport import ActorError
+
+    rpc_transport.start_actor("pickles", Counter, worker=1)
+    assert rpc_transport.call("pickles", "add", 1, timeout=10).result(20) == 1
+    with pytest.raises(ActorError, match=r"pickles\.echo\(\): its arguments do not pickle"):
+        rpc_transport.call("pickles", "echo", lambda: None, timeout=10).result(20)
+    with pytest.raises(Exception, match=r"pickles\.unpicklable\(\)"):
+        rpc_transport.call("pickles", "unpicklable", timeout=10).result(20)
+    # neither took the actor's order off track: the next calls run, in order
+    futs = [rpc_transport.call("pickles", "add", k, timeout=10) for k in (2, 3)]
+    assert [f.result(20) for f in futs] == [3, 6]
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 It builds (once, cached) a local corpus of Parquet files: web text, code, heavy-tailed
 long-context documents and captioned JPEG images, with a sentencepiece model trained on it. Then
 it runs an ``OverlordLoader`` for a ``pp=2, dp=4, cp=2, tp=2`` mesh on the embedded runtime (or,
-with ``--runtime rpc``, one process per role): Source
+with ``--runtime rpc``, in worker processes): Source
 Loaders read and transform, the Planner mixes the sources on a curriculum and balances the
 backbone by attention FLOPs across DP ranks and microbatches and the images across all ranks for
 a world-wide-DP encoder, and Data Constructors pack, pad and zig-zag split for context
@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--scale", default="demo", choices=["demo", "test"])
     ap.add_argument("--show-plan", action="store_true", help="draw the last step's plan")
     ap.add_argument("--runtime", default="local", choices=["local", "rpc"],
-                    help="local: every role in this process; rpc: one process per role over torch.distributed.rpc")
+                    help="local: every role in this process; rpc: the roles in worker processes over "
+                         "torch.distributed.rpc")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 

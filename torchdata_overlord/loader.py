@@ -86,8 +86,9 @@ class OverlordLoader:
     ``rank=None`` simulates every rank of the mesh in this process: each item is then
     ``{rank: item}``. ``runtime="local"`` runs every role in this process; ``runtime="rpc"`` runs
     the Planner, each Source Loader and one Data Constructor per DP group (``constructors=``) as
-    actors in worker processes over ``torch.distributed.rpc`` (one process per role, or
-    ``n_workers``), on loopback, started by this process; with ``group=`` (a ``torch.distributed``
+    actors in worker processes over ``torch.distributed.rpc`` (as many as the cores this process
+    leaves free, at most one per role; one per role with ``fault_tolerance``; or ``n_workers``),
+    on loopback, started by this process; with ``group=`` (a ``torch.distributed``
     process group, or ``"default"``) every trainer process of the group is a client and group rank 0
     starts the roles; with ``address="host:port"`` the roles were started by
     ``python -m torchdata_overlord.launch`` and this process joins them as client ``rank``. The

@@ -8,6 +8,8 @@ future, so a slow actor never holds an RPC thread. A method may return a
 :class:`concurrent.futures.Future` (a *deferred* result, e.g. "the step once it is built"): the
 actor thread moves on and the caller is answered when that future completes. A call that arrives
 before its actor exists waits for it (roles are created by one process while others already call).
+A call's arguments and answer travel as one pickle and one tensor buffer (:mod:`.wire`); calls out
+are in :mod:`.rpc_calls` (a call to an actor of the caller's own process skips RPC altogether).
 
 Several jobs may share one RPC group (see :mod:`.rpc_session`): an actor is registered under its
 job's prefix (``"<ns><name>"``, ``ns`` like ``"2/"``; ``""`` in a launched job), and a closed job's
@@ -23,15 +25,14 @@ import os
 import pickle
 import threading
 import traceback
+from typing import Callable
 
 import torch
 import torch.distributed.rpc as rpc
 
 from .rpc_agent import CPP_ERRORS_ONLY, LOOPBACK_ENV, init_rpc, set_cpp_log_level
-from .transport import ActorDied, ActorError, CallTimeout, TransportClosed, name_exception, settle
-
-_DEAD_PEER = ("eof", "econnrefused", "connection reset", "connection refused", "broken pipe", "shutdown")
-_TIMEOUT = ("timeout", "timed out", "ran for more than")
+from .wire import pack, unpack
+from .transport import ActorError, TransportClosed, name_exception
 
 
 def worker_name(i: int) -> str:
@@ -94,6 +95,7 @@ class _Actor:
         self.pending: dict[str, dict[int, tuple]] = collections.defaultdict(dict)   # caller -> seq -> call
         self.next_seq: dict[str, int] = collections.defaultdict(int)
         self.ready: collections.deque = collections.deque()
+        self.busy = False                   # one of its calls runs (on its thread, or inline on a caller's)
         self.thread = threading.Thread(target=self._run, name=f"overlord-actor-{name}", daemon=True)
         self.thread.start()
 
@@ -102,18 +104,34 @@ class _Actor:
             self.obj, self.failure = obj, failure
             self.cv.notify_all()
 
-    def submit(self, caller: str, seq: int, method: str, args, kwargs) -> torch.futures.Future:
-        fut = torch.futures.Future()
+    def submit(self, caller: str, seq: int, method: str | None, args, kwargs, reply: Callable[[object], None],
+               inline: bool = False) -> None:
+        """Queue call ``seq`` of ``caller`` (run in ``seq`` order per caller); ``reply(result)`` gets its
+        return value, or a :class:`Failure`. ``inline``: the caller is in this process and waits for the
+        answer at once (see ``Transport.call``'s ``direct``): when the actor is idle with nothing
+        queued, the call runs on the caller's thread (no thread hand-over)."""
         with self.cv:
             mine = self.pending[caller]
-            mine[seq] = (fut, method, args, kwargs)
             nxt = self.next_seq[caller]
-            while nxt in mine:
-                self.ready.append(mine.pop(nxt))
-                nxt += 1
-            self.next_seq[caller] = nxt
-            self.cv.notify_all()
-        return fut
+            run_here = (inline and seq == nxt and not mine and not self.ready and not self.busy
+                        and self.obj is not self._UNSET and self.failure is None)
+            if run_here:
+                self.next_seq[caller], self.busy = nxt + 1, True
+            else:
+                mine[seq] = (reply, method, args, kwargs)
+                while nxt in mine:
+                    self.ready.append(mine.pop(nxt))
+                    nxt += 1
+                self.next_seq[caller] = nxt
+                self.cv.notify_all()
+        if run_here:
+            try:
+                self._execute(reply, method, args, kwargs)
+            finally:
+                with self.cv:
+                    self.busy = False
+                    if self.ready:
+                        self.cv.notify_all()
 
     def stop(self) -> None:
         """End the actor's thread once the calls already queued ran (its job was closed)."""
@@ -126,23 +144,32 @@ class _Actor:
     def _run(self) -> None:
         while True:
             with self.cv:
-                while not self.ready or (self.obj is self._UNSET and self.failure is None):
+                while not self.ready or self.busy or (self.obj is self._UNSET and self.failure is None):
                     self.cv.wait()
                 item = self.ready.popleft()
+                self.busy = item is not None
             if item is None:
                 return
-            fut, method, args, kwargs = item
-            if self.failure is not None:
-                fut.set_result(self.failure)
-                continue
             try:
-                result = getattr(self.obj, method)(*args, **kwargs)
-            except BaseException as e:      # noqa: BLE001 - delivered to the caller
-                result = Failure(e)
-            if isinstance(result, cf.Future):
-                result.add_done_callback(lambda f, fut=fut: fut.set_result(_outcome(f)))
-            else:
-                fut.set_result(result)
+                self._execute(*item)
+            finally:
+                with self.cv:
+                    self.busy = False
+
+    def _execute(self, reply: Callable[[object], None], method: str | None, args, kwargs) -> None:
+        if self.failure is not None:
+            reply(self.failure)
+            return
+        try:
+            if method is None:              # the call's arguments could not be unpickled here
+                raise args[0]
+            result = getattr(self.obj, method)(*args, **kwargs)
+        except BaseException as e:          # noqa: BLE001 - delivered to the caller
+            result = Failure(e)
+        if isinstance(result, cf.Future):
+            result.add_done_callback(lambda f: reply(_outcome(f)))
+        else:
+            reply(result)
 
 
 _ACTORS: dict[str, _Actor] = {}
@@ -215,14 +242,27 @@ def _create(name: str, factory, args, kwargs):
     return None
 
 
+def _packed(result) -> tuple:
+    """An actor's answer as it travels back (see :mod:`.wire`); one that does not pickle, as its error."""
+    try:
+        return pack(result)
+    except Exception as e:                  # noqa: BLE001 - delivered to the caller
+        return pack(Failure(e))
+
+
 @rpc.functions.async_execution
-def _invoke(name: str, caller: str, seq: int, method: str, args, kwargs) -> torch.futures.Future:
+def _invoke(name: str, caller: str, seq: int, method: str, data: bytes, buffer) -> torch.futures.Future:
+    fut = torch.futures.Future()
     actor = _actor(name)
     if actor is None:
-        fut = torch.futures.Future()
-        fut.set_result(_closed_job(name))
+        fut.set_result(pack(_closed_job(name)))
         return fut
-    return actor.submit(caller, seq, method, args, kwargs)
+    try:
+        args, kwargs = unpack(data, buffer)
+    except Exception as e:                  # noqa: BLE001 - the call still takes its place in the order
+        method, args, kwargs = None, (e,), {}
+    actor.submit(caller, seq, method, args, kwargs, lambda result: fut.set_result(_packed(result)))
+    return fut
 
 
 def _exit_now(code: int = 0) -> None:
@@ -230,100 +270,10 @@ def _exit_now(code: int = 0) -> None:
     threading.Timer(0.05, os._exit, args=(code,)).start()
 
 
-# ------------------------------------------------------------------------------ calls out
+# ------------------------------------------------------------------------------ call counters
 
-_SEQ: dict[str, itertools.count] = {}
+_SEQ: dict[str, itertools.count] = {}       # actor key -> the next call number from this process (rpc_calls.py)
 _SEQ_LOCK = threading.Lock()
-
-
-def map_error(e: BaseException, actor: str, method: str, timeout: float) -> BaseException:
-    """An RPC-level failure as CallTimeout (no answer in time) or ActorDied (peer gone)."""
-    text = str(e).lower()
-    if any(s in text for s in _TIMEOUT):
-        return CallTimeout(f"{actor}.{method}() got no answer within its timeout of {timeout:g} s", actor)
-    if any(s in text for s in _DEAD_PEER):
-        return ActorDied(f"actor {actor!r} is unreachable, its process is gone ({method}()): {e}", actor)
-    return ActorError(f"{actor}.{method}() failed in the transport: {type(e).__name__}: {e}")
-
-
-def call_actor(worker: str, actor: str, method: str, args, kwargs, timeout: float,
-               on_error=map_error, ns: str = "") -> cf.Future:
-    """Call ``actor.method(*args, **kwargs)`` of job ``ns`` on RPC worker ``worker``; a concurrent
-    future (errors name ``actor``, without the job prefix)."""
-    key = ns + actor
-    with _SEQ_LOCK:
-        seq = next(_SEQ.setdefault(key, itertools.count()))
-    caller = rpc.get_worker_info().name
-    out: cf.Future = cf.Future()
-    try:
-        fut = rpc.rpc_async(worker, _invoke, args=(key, caller, seq, method, args, kwargs), timeout=timeout)
-    except BaseException as e:             # noqa: BLE001
-        settle(out, exc=on_error(e, actor, method, timeout))
-        return out
-
-    def done(f):
-        try:
-            result = f.value()
-        except BaseException as e:         # noqa: BLE001
-            settle(out, exc=on_error(e, actor, method, timeout))
-            return
-        if isinstance(result, Failure):
-            settle(out, exc=result.rebuild(actor, method))
-        else:
-            settle(out, result)
-
-    fut.add_done_callback(done)
-    return out
-
-
-class RpcPeers:
-    """Calls from any process of the group to the actors of job ``ns`` by name (``placement``: actor
-    -> RPC worker name).
-
-    Picklable: a role receives one to talk to the other roles (a loader to its constructors).
-    """
-
-    def __init__(self, placement: dict[str, str], ns: str = ""):
-        self.placement, self.ns = dict(placement), ns
-
-    def call(self, name: str, method: str, *args, timeout: float, direct: bool = False, **kwargs) -> cf.Future:
-        return call_actor(self.placement[name], name, method, args, kwargs, timeout, ns=self.ns)
-
-    def spawn(self, name: str, factory, args: tuple, worker: str, timeout: float = 60.0) -> None:
-        """Start a (replacement) actor on RPC worker ``worker`` and remember where it lives."""
-        self.spawn_async(name, factory, args, worker, timeout).result(timeout + 5)
-
-    def spawn_async(self, name: str, factory, args: tuple, worker: str, timeout: float = 60.0) -> cf.Future:
-        """:meth:`spawn` without waiting: the future completes (None) once the actor exists, and
-        only then is it placed."""
-        out: cf.Future = cf.Future()
-        try:
-            fut = rpc.rpc_async(worker, _create, args=(self.ns + name, factory, args, {}), timeout=timeout)
-        except BaseException as e:          # noqa: BLE001
-            settle(out, exc=map_error(e, name, "__init__", timeout))
-            return out
-
-        def done(f):
-            try:
-                failure = f.value()
-            except BaseException as e:      # noqa: BLE001
-                settle(out, exc=map_error(e, name, "__init__", timeout))
-                return
-            if isinstance(failure, Failure):
-                settle(out, exc=failure.rebuild(name, "__init__"))
-            else:
-                self.placement[name] = worker
-                settle(out, None)
-
-        fut.add_done_callback(done)
-        return out
-
-    def learn(self, where: dict[str, str]) -> None:
-        """Placement news (actor -> RPC worker name), e.g. a replacement started elsewhere."""
-        self.placement.update(where)
-
-    def where(self, name: str) -> str:
-        return self.placement[name]
 
 
 # ------------------------------------------------------------------------------ role worker processes

@@ -1,29 +1,32 @@
-"""Asking the Source Loaders for a step's metadata ahead: right after the previous step's delivery, so
-each loader refills its buffer (reads and transforms) while that step is committed and built, not
-when the next step is planned. A loader runs its calls in order, so the answer is the one asking
-later would get; an answer from a loader replaced since, or of another generation, is not used."""
+"""The loaders' metadata one step ahead: each ``deliver(step)`` answers with the metadata of the
+loader's refilled buffer (:class:`~.loader_actor.Delivery`), so the next step is planned without
+asking again; a loader refills while its parts travel to the constructors, and a step costs one
+call per loader, not two. An answer from a loader replaced since, or of another generation or step, is not used: such
+a loader is asked ``metadata()`` (the first step, after a reset or a replacement)."""
 
 from __future__ import annotations
+
+from typing import Mapping
 
 __all__ = ["MetadataAhead"]
 
 
 class MetadataAhead:
-    """The metadata calls asked ahead for one step, on behalf of a :class:`~.recovery.Recovery`."""
+    """The next step's metadata as the deliveries answered it, on behalf of a :class:`~.recovery.Recovery`."""
 
     def __init__(self, recovery):
         self.r = recovery
-        self.asked: tuple[int, int, dict] | None = None   # (gen, step, {source: (loader, future)})
+        self.kept: tuple[int, int, dict] | None = None     # (gen, step, {source: (loader, BufferMeta)})
 
-    def ask(self, gen: int, step: int) -> None:
-        """Ask every active loader for step ``step``'s metadata now (on the loader's own thread)."""
-        r = self.r
-        self.asked = (gen, step, {s: (r.active[s], r.loader_ref(r.active[s]).metadata(ahead=True)) for s in r.sources})
+    def keep(self, gen: int, step: int, deliveries: Mapping) -> None:
+        """Step ``step``'s metadata from the deliveries of the step before (source -> Delivery)."""
+        self.kept = (gen, step, {s: (self.r.active[s], d.meta) for s, d in deliveries.items() if d.meta is not None})
 
     def metadata(self, gen: int, step: int) -> dict:
-        """Every source's metadata for ``step``: what was asked ahead where still valid, else asked now."""
-        asked, self.asked = self.asked, None
-        issued = {}
-        if asked is not None and asked[:2] == (gen, step):
-            issued = {s: fut for s, (name, fut) in asked[2].items() if self.r.active[s] == name}
-        return self.r.each_loader(lambda ref, s: ref.metadata(), step, issued=issued)
+        """Every source's metadata for ``step``: what a delivery answered where still valid, else asked now."""
+        kept, self.kept = self.kept, None
+        have = {}
+        if kept is not None and kept[:2] == (gen, step):
+            have = {s: meta for s, (name, meta) in kept[2].items() if self.r.active[s] == name}
+        missing = [s for s in self.r.sources if s not in have]
+        return {**have, **(self.r.each_loader(lambda ref, s: ref.metadata(), step, only=missing) if missing else {})}

@@ -149,12 +149,27 @@ class Job(ClientRecovery):
         got = self._routing.get(rank, -1)
         return got if got >= 0 else self.mesh.coords(rank).get("dp", 0) % len(self._constructors)
 
+    def _asked(self, ranks: list) -> dict[int, list]:
+        """Constructor -> the ranks to ask it for: each rank's own constructor, except that the
+        constructors of one worker process are asked once, through the first of them (it fetches the
+        others' ranks in its process: one request per process, not per constructor)."""
+        by_c: dict[int, list] = {}
+        for r in ranks:
+            by_c.setdefault(self._constructor_of(r), []).append(r)
+        first: dict[object, int] = {}
+        out: dict[int, list] = {}
+        for c in sorted(by_c):
+            try:
+                where = self.transport.worker_of(self._constructors[c])
+            except (KeyError, ValueError):
+                where = ("constructor", c)
+            out.setdefault(first.setdefault(where, c), []).extend(by_c[c])
+        return out
+
     def _issue(self, req: _Request) -> None:
         req.attempt += 1
         attempt, gen = req.attempt, self._gen
-        by_c: dict[int, list] = {}
-        for r in req.wanted:
-            by_c.setdefault(self._constructor_of(r), []).append(r)
+        by_c = self._asked(req.wanted)
         parts = []
         try:
             for i, (c, rs) in enumerate(sorted(by_c.items())):

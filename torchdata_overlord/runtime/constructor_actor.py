@@ -2,10 +2,10 @@
 
 A client asks its constructor for a step (``fetch``); the leader client's request is the one that
 makes the constructor ask the Planner to plan it (``advance``, once per step, never once per
-client), with the leader's feedback. The Planner sends every constructor the plan and orders the
-loaders to ``put`` the planned samples straight to the constructors; then it ``commit``\\ s the
-job's state after the step. A constructor serves the buckets ``b`` with ``b % n == index`` and
-builds a bucket only once a client asks for one of its ranks (so a trainer process that runs every
+client), with the leader's feedback. The Planner orders the loaders to ``put`` the planned samples
+straight to the constructors, then ``commit``\\ s the plan and the job's state after the step to
+every constructor. A constructor serves the buckets ``b`` with ``b % n == index`` and builds a
+bucket only once a client asks for one of its ranks (so a trainer process that runs every
 role in-process builds only its own rank's bucket); a rank of another constructor's bucket is
 fetched from that constructor on the client's behalf, and the answer names the right constructor
 (``routing``) so the client asks it directly from then on.
@@ -45,13 +45,13 @@ class _Waiter:
 
 
 class _Work:
-    """One step at one constructor: the plan, the parts still expected, the built buckets, who waits."""
+    """One step at one constructor: the parts delivered, the plan and state once committed, the built
+    buckets, who waits."""
 
     def __init__(self):
         self.plan: Plan | None = None
         self.buckets: list[int] = []
         self.names: dict = {}
-        self.expected: set[str] | None = None
         self.samples: dict = {}
         self.samples_from: set[str] = set()
         self.outputs: dict[int, dict] = {}           # bucket -> {rank: output}
@@ -98,37 +98,27 @@ class ConstructorActor(RoleActor):
         fail_all([w.fut for work in old.values() for w in work.waiters],
                  JobReset(f"the job was reset to generation {gen}; call iter() again"))
 
-    def plan(self, gen: int, step: int, plan: Plan, buckets: list[int], expected: list[str], names: dict) -> None:
-        if names.get("where"):
-            self.peers.learn(dict(names["where"]))
-        with self.lock:
-            w = self._work(gen, step)
-            if w is None:
-                return
-            w.plan, w.buckets, w.names = plan, list(buckets), dict(names)
-            w.expected = set(expected) - w.samples_from
-            todo = self._progress(step, w)
-        self._settle(todo)
-
     def put(self, gen: int, step: int, source: str, records: Mapping[int, object]) -> None:
+        """One source's part of ``step`` (the samples this constructor's buckets need from it)."""
         with self.lock:
             w = self._work(gen, step)
             if w is None or source in w.samples_from:      # a promoted loader re-sending a part that arrived
                 return
             w.samples.update({SampleKey(source, int(i)): r for i, r in records.items()})
             w.samples_from.add(source)
-            if w.expected is not None:
-                w.expected.discard(source)
-            todo = self._progress(step, w)
-        self._settle(todo)
 
-    def commit(self, gen: int, step: int, state: dict, delayed: bool) -> dict:
-        """The job's state after ``step`` (what a checkpoint taken after it holds); answers with the
-        consumed position of every client this constructor has heard from."""
+    def commit(self, gen: int, step: int, plan: Plan, buckets: list[int], state: dict, info: dict) -> dict:
+        """``step`` is delivered (every part is in): its plan, the buckets this constructor builds and
+        the job's state after it (what a checkpoint taken after it holds); ``info`` names the
+        constructors, where replaced roles live and whether a failure ``delayed`` the step. Answers
+        with the consumed position of every client this constructor has heard from."""
+        if info.get("where"):
+            self.peers.learn(dict(info["where"]))
         with self.lock:
             w = self._work(gen, step)
             if w is not None:
-                w.state, w.delayed = state, bool(delayed)
+                w.plan, w.buckets, w.names = plan, list(buckets), dict(info)
+                w.state, w.delayed = state, bool(info.get("delayed"))
                 todo = self._progress(step, w)
             else:
                 todo = []
@@ -203,7 +193,7 @@ class ConstructorActor(RoleActor):
         n, done = len(w.names.get("constructors", [])) or 1, []
         for waiter in list(w.waiters):
             foreign: dict[int, list] = {}
-            ready = w.state is not None
+            ready = True
             for r in waiter.ranks:
                 if receives_nothing(w.plan, r)[0]:
                     continue
@@ -217,7 +207,7 @@ class ConstructorActor(RoleActor):
                     break
                 elif b not in w.outputs:
                     ready = False
-                    if b not in w.building and not w.expected and (self.pool is not None or w.state is not None):
+                    if b not in w.building:
                         w.building.add(b)
                         done.append((self._build, (step, w, b), _BUILD))
             if ready is None:

@@ -1,20 +1,33 @@
 """The Source Loader actor: a SourceLoader that hands each step's planned samples straight to the constructors.
 
-It never talks to the trainer and never sends sample bytes to the Planner: the Planner asks for
-``metadata()`` and orders ``deliver(step)``; the samples go loader -> constructor (``put``).
+It never talks to the trainer and never sends sample bytes to the Planner: the Planner orders
+``deliver(step)``, the samples go loader -> constructor (``put``), and the answer is a
+:class:`Delivery`: the loader's state after the step and the metadata of its refilled buffer, which
+the Planner plans the next step from (one call per loader and step; ``metadata()`` is asked only
+when no delivery answered it: the first step, after a reset or a replacement).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
+from ..plane.records import BufferMeta
 from ..roles.source_loader import SourceLoader, record_bytes
 from .refs import ConstructorRef
 from .role import RoleActor, gather
 from .step import JobReset
 
-__all__ = ["LoaderActor"]
+__all__ = ["LoaderActor", "Delivery"]
+
+
+class Delivery(NamedTuple):
+    """A loader's answer to ``deliver(step)``: its state after the step, and the metadata of its
+    buffer refilled for the next step (None when the refill failed: ``metadata()`` then raises why,
+    when the next step is planned)."""
+
+    state: dict
+    meta: BufferMeta | None
 
 
 class LoaderActor(RoleActor):
@@ -36,6 +49,7 @@ class LoaderActor(RoleActor):
         self.gen, self.delivered, self.snapshots = 0, 0, 0
         self.followed: tuple[int, dict] | None = None        # (version, state) of the primary, when a shadow
         self.sent = {"samples": 0, "bytes": 0, "seconds": 0.0}   # to constructors: what and how long
+        self.refill_error: BaseException | None = None       # what the refill after the last delivery raised
 
     def _check_gen(self, gen: int) -> None:
         if gen < self.gen:
@@ -47,32 +61,44 @@ class LoaderActor(RoleActor):
         self.loader.fill()
         return self.loader.stats()["buffered"]
 
-    def metadata(self):
+    def metadata(self) -> BufferMeta:
+        """The buffer's metadata, filled first; raises (once) the error a refill after the last delivery met."""
+        err, self.refill_error = self.refill_error, None
+        if err is not None:
+            raise err
         return self.loader.metadata()
 
     def deliver(self, gen: int, step: int, indices: list, routes: Mapping[str, list],
-                where: Mapping[str, str] | None = None) -> dict:
+                where: Mapping[str, str] | None = None) -> Delivery:
         """Take ``indices`` (every sampled one, dropped ones too: consumed), send each constructor
-        its part, and return this loader's state after the step."""
+        its part and refill while the parts travel: the answer is the state after the step and the
+        next step's metadata. A refill that fails does not fail this step: it is raised when the next
+        step asks (``metadata()``)."""
         self._check_gen(gen)
         if where:
             self.peers.learn(dict(where))
         self.loader.fill()                  # a promoted or restored loader starts with an empty buffer
         recs = self.loader.take(indices) if indices else {}
-        t0 = time.perf_counter()
+        t0, acked = time.perf_counter(), []
         futs = {c: ConstructorRef(self.peers, c, self.timeout).put(gen, step, self.name, {i: recs[i] for i in idx})
                 for c, idx in routes.items()}
+        for f in futs.values():
+            f.add_done_callback(lambda _: acked.append(time.perf_counter()))
+        state = self.loader.get_state()
+        try:                                # the next step's read, while the parts travel and are built
+            meta = self.loader.metadata()
+        except Exception as e:              # noqa: BLE001 - the next step's error, not this one's
+            meta, self.refill_error = None, e
         gather(futs, self.timeout)
-        self.sent["seconds"] += time.perf_counter() - t0
+        self.sent["seconds"] += (max(acked) if len(acked) == len(futs) else time.perf_counter()) - t0 if futs else 0.0
         self.sent["samples"] += sum(len(idx) for idx in routes.values())
         self.sent["bytes"] += sum(record_bytes(recs[i]) for idx in routes.values() for i in idx)
         self.delivered += 1
-        state = self.loader.get_state()
         version = step + 1
         if self.store is not None and self.snapshot_every and version % self.snapshot_every == 0:
             self.store.put(f"loader/{self.name}", version, state)
             self.snapshots += 1
-        return state
+        return Delivery(state, meta)
 
     # -- standby and recovery ------------------------------------------------------------------
     def follow(self, version: int, state: dict) -> None:
@@ -88,13 +114,13 @@ class LoaderActor(RoleActor):
 
     def promote(self, gen: int, state: dict) -> dict:
         """Become the primary at ``state`` (the state after the last completed step)."""
-        self.gen = gen
+        self.gen, self.refill_error = gen, None
         self.loader.reset(state)
         return self.loader.get_state()
 
     def restore(self, gen: int, snapshot: dict, consumed: list) -> dict:
         """Differential restore: ``snapshot`` plus a replay of the steps' consumption since."""
-        self.gen = gen
+        self.gen, self.refill_error = gen, None
         return self.loader.replay(snapshot, consumed)
 
     def exhausted(self) -> bool:
@@ -109,7 +135,7 @@ class LoaderActor(RoleActor):
 
     def new_generation(self, gen: int, state: dict) -> None:
         """Start generation ``gen`` at ``state`` (a loaded checkpoint, or a rewind)."""
-        self.gen = gen
+        self.gen, self.refill_error = gen, None
         self.loader.reset(state)
 
     def close(self) -> None:

@@ -1,12 +1,13 @@
 """The Planner actor: plans each step once the leader client asks for it, and routes its samples.
 
 One step ``s`` (paper Fig. 5, the lazy workflow), when a constructor passes on the leader's request
-(``advance``): the Planner asks every Source Loader for its buffer ``metadata()`` (only
-``BufferMeta`` travels), plans (:func:`~.step.plan_step`), sends the Plan to every Data Constructor
-and orders every loader to ``deliver`` the step (the samples go loader -> constructor, never through
-the Planner), then ``commit``\\ s the job's state after the step to the constructors, which answer the
-clients. Only the leader's request plans, so the leader's feedback always reaches the plan it is
-meant for and the stream never depends on which client is fastest.
+(``advance``): the Planner takes every Source Loader's buffer metadata (only ``BufferMeta`` travels;
+the previous step's deliveries answered it, see :mod:`.ahead`), plans (:func:`~.step.plan_step`),
+orders every loader to ``deliver`` the step (the samples go loader -> constructor, never through the
+Planner), then ``commit``\\ s the plan and the job's state after the step to every Data Constructor,
+which build and answer the clients; the commits' answers are heard while the next step is planned.
+Only the leader's request plans, so the leader's feedback always reaches the plan it is meant for
+and the stream never depends on which client is fastest.
 
 A *generation* counts resets (``attach`` with a state, or a rewind after a failure): a call from an
 older generation fails with :class:`~.step.JobReset` instead of mixing two streams. What keeps the
@@ -30,7 +31,8 @@ from .feedback import FeedbackLog
 from .ahead import MetadataAhead
 from .recovery import Recovery
 from .refs import PLANNER
-from .role import RoleActor, fail_all, gather
+from .releases import Releases
+from .role import RoleActor, fail_all
 from .step import JobClosed, JobReset, JobState, plan_step, route
 from .transport import settle
 
@@ -53,8 +55,7 @@ class PlannerActor(RoleActor):
         self.gen = 0
         self.feedback = FeedbackLog()                  # the leader's feedback for steps not planned yet
         self.versions: dict[int, dict] = {}            # steps planned -> the job's state then (for rewinds)
-        self.consumed: dict[int, int] = {}             # client -> steps it consumed (as the constructors heard)
-        self.released = 0
+        self.releases = Releases(self)                 # what every client consumed; steps to forget
         self.failed: tuple[int, BaseException] | None = None
         self.leader_starts: list[tuple[int, int]] = []  # (generation, start step) of each leader attach
         self.attaches: dict[int, int] = collections.defaultdict(int)
@@ -137,36 +138,41 @@ class PlannerActor(RoleActor):
             plan = plan_step(self.planner, [metas[n] for n in self.sources], self.feedback, exhausted)
             self._dispatch(step, plan, seen)
         except BaseException as e:         # noqa: BLE001 - every client asking for this step or later gets it
-            self.failed = (step, e)
-            for name in r.constructor_names:
-                try:
-                    r.constructor_ref(name).fail(self.gen, step, e)
-                except Exception:          # noqa: BLE001 - a lost constructor's clients learn from their own call
-                    pass
+            self.fail_from(step, e)
+
+    def fail_from(self, step: int, e: BaseException) -> None:
+        """``step`` and every later one fail with ``e`` (the constructors answer their clients so)."""
+        if self.failed is not None and self.failed[0] <= step:
+            return
+        self.failed = (step, e)
+        for name in self.recovery.constructor_names:
+            try:
+                self.recovery.constructor_ref(name).fail(self.gen, step, e)
+            except Exception:              # noqa: BLE001 - a lost constructor's clients learn from their own call
+                pass
 
     def _dispatch(self, step: int, plan: Plan, seen: int) -> None:
         r, gen = self.recovery, self.gen
         routes = route(plan, self.n, self.sources)
         while True:                         # a constructor replaced meanwhile: send again to the new one
             names = list(r.constructor_names)
-            info = {"constructors": names, "where": dict(r.spares.where)}
             try:
-                plans = {c: r.constructor_ref(names[c]).plan(gen, step, plan, routes.buckets[c], routes.expected[c], info)
-                         for c in range(self.n)}
-                args = {s: (gen, step, routes.sampled[s], {names[c]: idx for c, idx in routes.to[s].items()},
-                            dict(r.spares.where)) for s in self.sources}
-                states = r.each_loader(lambda ref, s: ref.deliver(*args[s], timeout=2 * self.timeout), step)
-                gather(plans, self.timeout)
+                self.releases.hear()
                 if self.gen != gen:
                     return
-                r.loader_state = dict(states)
-                self.ahead.ask(gen, step + 1)
-                state = JobState.make(self.planner.state_dict(), states, self.feedback)
+                args = {s: (gen, step, routes.sampled[s], {names[c]: idx for c, idx in routes.to[s].items()},
+                            dict(r.spares.where)) for s in self.sources}
+                delivered = r.each_loader(lambda ref, s: ref.deliver(*args[s], timeout=2 * self.timeout), step)
+                if self.gen != gen:
+                    return
+                r.loader_state = {s: d.state for s, d in delivered.items()}
+                self.ahead.keep(gen, step + 1, delivered)
+                state = JobState.make(self.planner.state_dict(), r.loader_state, self.feedback)
                 self.versions[step + 1] = state
                 r.checkpoints.checkpoint(step + 1, state, routes.sampled)
-                delayed = len(r.events) > seen
-                heard = gather({c: r.constructor_ref(names[c]).commit(gen, step, state, delayed)
-                                for c in range(self.n)}, self.timeout)
+                info = {"constructors": names, "where": dict(r.spares.where), "delayed": len(r.events) > seen}
+                self.releases.committed(gen, step, {c: r.constructor_ref(names[c]).commit(
+                    gen, step, plan, routes.buckets[c], state, info) for c in range(self.n)})
                 break
             except FAILURES as e:
                 actor = getattr(e, "actor", None)
@@ -175,22 +181,8 @@ class PlannerActor(RoleActor):
                 r.replace_constructor(names.index(actor), step, e)
                 return                      # rewound: the clients ask again in the new generation
         self.planned_steps += 1
-        for got in heard.values():
-            for client, n in got.items():
-                self.consumed[int(client)] = max(self.consumed.get(int(client), 0), int(n))
-        self._release()
         for s in self.sources:
             r.shadows.follow(s, step + 1)
-
-    def _release(self) -> None:
-        below = min(self.consumed.get(c, self.released) for c in range(self.clients))
-        if below <= self.released:
-            return
-        self.released = below
-        for v in [v for v in self.versions if v < below]:
-            del self.versions[v]
-        for name in self.recovery.constructor_names:   # answered in order before any later plan of this constructor
-            self.recovery.constructor_ref(name).release(self.gen, below)
 
     # -- generations ----------------------------------------------------------------------------------
     def new_generation(self, state: Mapping) -> None:
@@ -201,7 +193,8 @@ class PlannerActor(RoleActor):
         self.planner.load_state_dict(state[JobState.PLANNER])
         self.gen += 1
         self.feedback = FeedbackLog(state.get(JobState.FEEDBACK, []))
-        self.consumed, self.released, self.failed = {}, self.step, None
+        self.releases.reset(self.step)
+        self.failed = None
         # the new line of history is written first: a loader replaced during the reset restores from it
         r.loader_state = {s: dict(state[JobState.LOADERS][s]) for s in self.sources}
         v = self.step
@@ -244,8 +237,8 @@ class PlannerActor(RoleActor):
         return self.recovery.roles()
 
     def stats(self) -> dict:
-        return {"generation": self.gen, "next_step": self.step, "released_below": self.released,
-                "steps_planned": self.planned_steps, "consumed": dict(self.consumed),
+        return {"generation": self.gen, "next_step": self.step, "released_below": self.releases.released,
+                "steps_planned": self.planned_steps, "consumed": dict(self.releases.consumed),
                 "pending_feedback": len(self.feedback), "recoveries": list(self.recovery.events),
                 "roles": self.roles()}
 

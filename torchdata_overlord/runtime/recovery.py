@@ -30,7 +30,7 @@ import collections
 import concurrent.futures as cf
 import logging
 import time
-from typing import Callable, Mapping
+from typing import Callable, Iterable
 
 from .constructor_actor import ConstructorActor
 from .fault_policy import FAILURES, FaultPolicy, RoleLost
@@ -71,13 +71,11 @@ class Recovery:
 
     # -- calling every loader / constructor, replacing those that fail -------------------------------
     def each_loader(self, call: Callable[[LoaderRef, str], cf.Future], step: int, rejoin: bool = False,
-                    issued: Mapping[str, cf.Future] | None = None) -> dict:
-        """``call(ref, source)`` on every source's active loader (``issued``: sources whose call was
-        made already); a loader that fails is replaced and called again (``rejoin``: not called again,
-        the replacement starts at the wanted state). A failed constructor behind a loader's delivery
-        is re-raised for the caller."""
-        issued = issued or {}
-        todo = {s: issued[s] if s in issued else call(self.loader_ref(self.active[s]), s) for s in self.sources}
+                    only: Iterable[str] | None = None) -> dict:
+        """``call(ref, source)`` on every source's active loader (``only``: on these sources'); a loader
+        that fails is replaced and called again (``rejoin``: not called again, the replacement starts at
+        the wanted state). A failed constructor behind a loader's delivery is re-raised for the caller."""
+        todo = {s: call(self.loader_ref(self.active[s]), s) for s in (self.sources if only is None else only)}
         out = {}
         while todo:
             cf.wait(list(todo.values()), timeout=2 * self.timeout + 5)
@@ -173,9 +171,10 @@ class Recovery:
         name = self._start_constructor(c, step, err)
         # its predecessor checkpointed where the clients were; the Planner's own position is newer or equal
         resume = self.constructor_ref(name).resume_point().result(self.timeout)
-        self.job.rewind(self.job.released)
-        self._event("constructor", old, step, t0, f"replaced on a spare, rewound to step {self.job.released} (its "
-                    f"checkpoint said {resume})", err)
+        to = self.job.releases.released
+        self.job.rewind(to)
+        self._event("constructor", old, step, t0, f"replaced on a spare, rewound to step {to} (its checkpoint said "
+                    f"{resume})", err)
 
     def report_failure(self, actor: str, step: int) -> None:
         """A client saw ``actor`` fail: replace it if it still serves and does not answer (idempotent)."""

@@ -45,11 +45,11 @@ class RecoveryStore:
             return
         self.store.put(PLANNER_KEY, version, {"planner": state[JobState.PLANNER], "feedback": state[JobState.FEEDBACK],
                                               "consumed": {s: list(consumed.get(s, [])) for s in self.r.sources},
-                                              "released": self.r.job.released, "gen": self.r.job.gen,
+                                              "released": self.r.job.releases.released, "gen": self.r.job.gen,
                                               "roles": self.roles()})
         # keep the two newest snapshots of each loader (a corrupt newest falls back to the one before)
         # and every Planner checkpoint since the older one: the consumption log a replay needs
-        oldest = self.r.job.released
+        oldest = self.r.job.releases.released
         for s in self.r.sources:
             self.store.gc(f"loader/{s}", keep=2)
             oldest = min([oldest] + self.store.steps(f"loader/{s}")[:1])

@@ -68,12 +68,12 @@ class LoaderRef(ActorRef):
     def warm(self, timeout=None):
         return self._call("warm", timeout=timeout)
 
-    def metadata(self, timeout=None, ahead=False):
-        """``ahead``: asked before it is needed (on the loader's own thread, even in one process)."""
-        return self._call("metadata", timeout=timeout) if ahead else self._now("metadata", timeout=timeout)
+    def metadata(self, timeout=None):
+        return self._now("metadata", timeout=timeout)
 
     def deliver(self, gen, step, indices, routes, where, timeout=None):
-        return self._now("deliver", gen, step, indices, routes, where, timeout=timeout)
+        """On the loader's own thread also in one process: the loaders refill in parallel."""
+        return self._call("deliver", gen, step, indices, routes, where, timeout=timeout)
 
     def exhausted(self, timeout=None):
         return self._now("exhausted", timeout=timeout)
@@ -100,14 +100,11 @@ class ConstructorRef(ActorRef):
     def new_generation(self, gen, planner, where, timeout=None):
         return self._now("new_generation", gen, planner, where, timeout=timeout)
 
-    def plan(self, gen, step, plan, buckets, expected, names, timeout=None):
-        return self._now("plan", gen, step, plan, buckets, expected, names, timeout=timeout)
-
     def put(self, gen, step, source, records, timeout=None):
         return self._now("put", gen, step, source, records, timeout=timeout)
 
-    def commit(self, gen, step, state, delayed, timeout=None):
-        return self._now("commit", gen, step, state, delayed, timeout=timeout)
+    def commit(self, gen, step, plan, buckets, state, info, timeout=None):
+        return self._now("commit", gen, step, plan, buckets, state, info, timeout=timeout)
 
     def fail(self, gen, step, error, timeout=None):
         return self._now("fail", gen, step, error, timeout=timeout)

@@ -3,9 +3,10 @@
 Same public surface and the same results as :class:`~torchdata_overlord.runtime.local.LocalJob`
 (same seed and inputs: bit-identical outputs, and the two jobs' ``state_dict`` formats are the
 same, so a state of one loads into the other). The roles and the protocol of a step are in
-:mod:`~torchdata_overlord.runtime.actors`: the Planner actor, one Source Loader actor per source and
-one Data Constructor actor per DP group (``constructors=``), placed one role per worker process by
-default (``n_workers=`` fewer puts several roles in one process). Samples go from the loaders to the
+:mod:`~torchdata_overlord.runtime.planner_actor` and its siblings: the Planner actor, one Source
+Loader actor per source and one Data Constructor actor per DP group (``constructors=``), placed on
+worker processes by :meth:`~.job_config.RoleConfig.default_workers` (or ``n_workers=``); actors of
+one process call each other directly. Samples go from the loaders to the
 constructors and from the constructors to the clients; the Planner sees metadata only.
 
 Where the processes come from:
@@ -49,8 +50,9 @@ class RpcJob(Job):
     checkpoint_dir=None, snapshot_every=10, shadows=False, recovery_timeout=120)``:
     LocalJob's API (``step``, ``submit``, ``state_dict``, ``load_state_dict``, ``add_feedback``,
     ``step_index``, ``stats``, ``close``, context manager) with the roles in worker processes.
-    ``n_workers=None`` gives every role its own process; ``spares`` more worker processes start
-    with the group and stay idle (RPC membership is fixed at start: a replacement must exist then).
+    ``n_workers=None``: see :meth:`~.job_config.RoleConfig.default_workers`; ``spares`` more worker
+    processes start with the group and stay idle (RPC membership is fixed at start: a replacement
+    must exist then).
     ``checkpoint_dir``, ``snapshot_every`` and ``shadows`` make failed roles replaceable (see
     :mod:`~torchdata_overlord.runtime.planner_actor`); ``timeout`` is each call's, so also how long a
     frozen role goes unnoticed."""
@@ -76,9 +78,10 @@ class RpcJob(Job):
                          image_token_id, pad_id, ignore_index, constructors, clients, timeout, checkpoint_dir,
                          snapshot_every, bool(shadows))
         if n_workers is None:
-            n_workers = len(cfg.roles)
+            n_workers = cfg.default_workers()
         if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
-            raise ConfigError(f"n_workers must be an integer >= 1 (or None: one process per role), got {n_workers!r}")
+            raise ConfigError(f"n_workers must be an integer >= 1 (or None: see RoleConfig.default_workers), got "
+                              f"{n_workers!r}")
         super().__init__(cfg, timeout=timeout, recovery_timeout=recovery_timeout, n_workers=n_workers, spares=spares)
         self._own_transport = transport is None
         self._launched = address is not None           # the launcher owns the roles, not client 0

@@ -33,6 +33,7 @@ from typing import Callable
 
 from ..errors import ConfigError
 from . import _rpc_worker as W
+from . import rpc_calls as C
 from . import rpc_leave as L
 from . import rpc_session as S
 from .rpc_agent import CPP_ERRORS_ONLY, TransportStartupError, set_cpp_log_level
@@ -196,15 +197,15 @@ class RpcTransport(Transport):
             out: cf.Future = cf.Future()
             settle(out, exc=self._died(name, method))
             return out
-        return W.call_actor(W.worker_name(i), name, method, args, kwargs, timeout, on_error=self._map_error,
+        return C.call_actor(W.worker_name(i), name, method, args, kwargs, timeout, on_error=self._map_error,
                             ns=self.ns)
 
     def is_alive(self, name: str) -> bool:
         i = self._placement.get(name)
         return i is not None and not self._closed and (not self._procs or self._procs[i].is_alive())
 
-    def peers(self) -> W.RpcPeers:
-        return W.RpcPeers({a: W.worker_name(i) for a, i in self._placement.items()}, self.ns)
+    def peers(self) -> C.RpcPeers:
+        return C.RpcPeers({a: W.worker_name(i) for a, i in self._placement.items()}, self.ns)
 
     def mark_unhealthy(self) -> None:
         """Some member may be dead or frozen: when the group ends, give its workers less time."""
@@ -234,7 +235,7 @@ class RpcTransport(Transport):
         W._actor(self.key(name)).set(obj)
 
     def call_client(self, client: int, name: str, method: str, *args, timeout: float) -> cf.Future:
-        return W.call_actor(W.client_name(client), name, method, args, {}, timeout, ns=self.ns)
+        return C.call_actor(W.client_name(client), name, method, args, {}, timeout, ns=self.ns)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -249,7 +250,7 @@ class RpcTransport(Transport):
                          f"{self._procs[i].pid}) exited with code {self._procs[i].exitcode} (calling {method}())", name)
 
     def _map_error(self, e: BaseException, name: str, method: str, timeout: float) -> BaseException:
-        err = W.map_error(e, name, method, timeout)
+        err = C.map_error(e, name, method, timeout)
         if isinstance(err, ActorDied):
             self.session.unhealthy = True
         i = self._placement.get(name)

@@ -56,7 +56,6 @@ class Routes:
     """Where one step's samples go: bucket ``b`` is built by constructor ``b % n``."""
 
     buckets: dict[int, list[int]]                  # constructor -> the buckets it builds
-    expected: dict[int, list[str]]                 # constructor -> the sources that send it a part
     sampled: dict[str, list[int]]                  # source -> every index the step takes (dropped ones too)
     to: dict[str, dict[int, list[int]]]            # source -> constructor -> the indices it sends there
     routing: list[int]                             # rank -> its constructor, -1: it receives nothing
@@ -67,13 +66,11 @@ def route(plan: Plan, constructors: int, sources: list[str]) -> Routes:
     n = int(constructors)
     buckets = {c: [b for b in range(len(plan.buckets)) if b % n == c] for c in range(n)}
     to: dict[str, dict[int, list[int]]] = {s: {} for s in sources}
-    expected: dict[int, list[str]] = {}
     for c, bs in buckets.items():
         need: dict[str, set] = {}
         for b in bs:
             for src, idx in bucket_inputs(plan, b).items():
                 need.setdefault(src, set()).update(idx)
-        expected[c] = sorted(need)
         for src, idx in need.items():
             to[src][c] = sorted(idx)
     recs = plan.records
@@ -86,7 +83,7 @@ def route(plan: Plan, constructors: int, sources: list[str]) -> Routes:
         routing.append(-1 if nothing else plan.bucket_of(r) % n)
         if nothing:
             empty[r] = value
-    return Routes(buckets, expected, sampled, to, routing, empty)
+    return Routes(buckets, sampled, to, routing, empty)
 
 
 class JobState:

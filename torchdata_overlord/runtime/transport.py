@@ -31,6 +31,8 @@ import heapq
 import itertools
 import queue
 import threading
+import time
+import weakref
 from abc import ABC, abstractmethod
 from typing import Callable
 
@@ -189,31 +191,49 @@ def name_exception(exc: BaseException, actor: str, method: str) -> BaseException
 
 
 class Deadlines:
-    """One daemon thread that fails futures with ``CallTimeout`` when their deadline passes."""
+    """One daemon thread that fails futures with ``CallTimeout`` when their deadline passes.
+
+    The thread sleeps until the earliest deadline and is woken only for an earlier one (not once per
+    call), and holds the futures weakly: an answered call keeps nothing alive. Entries of answered
+    calls are dropped when the earliest deadline passes, or in one sweep once they pile up."""
+
+    _SWEEP_AT = 1024
 
     def __init__(self, name: str):
         self._heap: list = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
+        self._sweep_at = self._SWEEP_AT
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def add(self, fut: cf.Future, timeout: float, make_exc: Callable[[], BaseException]) -> None:
-        import time
+        item = (time.monotonic() + timeout, next(self._seq), weakref.ref(fut), make_exc)
         with self._cv:
-            heapq.heappush(self._heap, (time.monotonic() + timeout, next(self._seq), fut, make_exc))
-            self._cv.notify()
+            wake = not self._heap or item < self._heap[0] or len(self._heap) >= self._sweep_at
+            heapq.heappush(self._heap, item)
+            if wake:
+                self._cv.notify()
+
+    @staticmethod
+    def _pending(item) -> cf.Future | None:
+        fut = item[2]()
+        return None if fut is None or fut.done() else fut
 
     def _run(self) -> None:
-        import time
         with self._cv:
             while not self._closed:
+                if len(self._heap) >= self._sweep_at:
+                    self._heap = [item for item in self._heap if self._pending(item) is not None]
+                    heapq.heapify(self._heap)
+                    self._sweep_at = max(self._SWEEP_AT, 2 * len(self._heap))
                 now = time.monotonic()
-                while self._heap and (self._heap[0][0] <= now or self._heap[0][2].done()):
-                    _, _, fut, make_exc = heapq.heappop(self._heap)
-                    if not fut.done():
-                        settle(fut, exc=make_exc())
+                while self._heap and (self._heap[0][0] <= now or self._pending(self._heap[0]) is None):
+                    item = heapq.heappop(self._heap)
+                    fut = self._pending(item)
+                    if fut is not None:
+                        settle(fut, exc=item[3]())
                 self._cv.wait(None if not self._heap else max(0.0, self._heap[0][0] - now))
 
     def close(self, join_timeout: float = 1.0) -> None:
