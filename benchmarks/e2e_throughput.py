@@ -543,31 +543,22 @@ def profile_library(corpus, global_batch: int, warmup: int, steps: int, seed: in
     recovery = planner.recovery
     recovery.loader_ref = lambda name: SerialLoaderRef(recovery.peers, name, recovery.timeout)
 
-    def profiled(fn):
+    def while_profiling(fn, profile: bool):
+        """``fn`` with the profiler on (``profile``) or off while it runs, during the profiled steps."""
         def run(*args, **kwargs):
             if on[0]:
-                prof.enable()
+                prof.enable() if profile else prof.disable()
             try:
                 return fn(*args, **kwargs)
             finally:
                 if on[0]:
-                    prof.disable()
+                    prof.disable() if profile else prof.enable()
         return run
 
-    def unprofiled(fn):
-        def run(*args, **kwargs):
-            if on[0]:
-                prof.disable()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if on[0]:
-                    prof.enable()
-        return run
-
-    planner._plan_one, planner.state_dict = profiled(planner._plan_one), profiled(planner.state_dict)
+    planner._plan_one = while_profiling(planner._plan_one, True)
+    planner.state_dict = while_profiling(planner.state_dict, True)
     for loader in role_objects(job)[1]:          # a delivery's refill reads and transforms: not the library's own
-        loader.fill = unprofiled(loader.fill)
+        loader.fill = while_profiling(loader.fill, False)
     wall = 0.0
     try:
         for i in range(warmup + steps):
