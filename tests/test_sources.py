@@ -270,25 +270,17 @@ def test_file_and_node_sources_stream_the_same_in_both_runtimes(tmp_path):
 
 # -- a read error while refilling ------------------------------------------------------------------
 
-class BreaksAt(BaseNode):
+class BreaksAt(Counter):
     """A node whose reads fail at item ``at`` (a disk gone mid-run): items before it are good."""
 
     def __init__(self, at):
-        super().__init__()
+        super().__init__(n=10 * at)
         self.at = at
-
-    def reset(self, initial_state=None):
-        super().reset(initial_state)
-        self.i = 0 if initial_state is None else initial_state["i"]
 
     def next(self):
         if self.i == self.at:
             raise OSError(f"disk gone at item {self.i}")
-        self.i += 1
-        return {"input_ids": torch.arange(1 + self.i % 5)}
-
-    def get_state(self):
-        return {"i": self.i}
+        return super().next()
 
 
 def breaks_at_10():
@@ -303,11 +295,11 @@ _REFILL_SCRIPT = """
 import sys, json
 sys.path.insert(0, {tests!r})
 import torchdata_overlord as ol
-from test_sources import breaks_at_10, single_source_strategy
+from test_sources import breaks_at_10, single_source_strategy, tokens_of
 out = {{}}
 for runtime in ("local", "rpc"):
     got = []
-    with ol.OverlordLoader([ol.NodeSource("n", breaks_at_10)], single_source_strategy, ol.ClientPlaceTree(dp=1),
+    with ol.OverlordLoader([ol.NodeSource("n", breaks_at_10, tokens_of)], single_source_strategy, ol.ClientPlaceTree(dp=1),
                            rank=0, global_batch=4, seq_len=None, runtime=runtime, prefetch=1) as loader:
         try:
             for item in loader:
