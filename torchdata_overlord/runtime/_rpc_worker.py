@@ -32,7 +32,7 @@ import torch.distributed.rpc as rpc
 
 from .rpc_agent import CPP_ERRORS_ONLY, LOOPBACK_ENV, init_rpc, set_cpp_log_level
 from .wire import pack, unpack
-from .transport import ActorError, TransportClosed, name_exception
+from .transport import ActorError, Deadlines, TransportClosed, name_exception
 
 
 def worker_name(i: int) -> str:
@@ -222,8 +222,12 @@ def forget_actors() -> None:
         _DROPPED.clear()
     with _SEQ_LOCK:
         _SEQ.clear()
+        deadlines = list(_LOCAL_DEADLINES)
+        _LOCAL_DEADLINES.clear()
     for a in actors:
         a.stop()
+    for d in deadlines:
+        d.close()
 
 
 def _create(name: str, factory, args, kwargs):
@@ -274,6 +278,15 @@ def _exit_now(code: int = 0) -> None:
 
 _SEQ: dict[str, itertools.count] = {}       # actor key -> the next call number from this process (rpc_calls.py)
 _SEQ_LOCK = threading.Lock()
+_LOCAL_DEADLINES: list[Deadlines] = []       # the timeouts of calls within this process (one thread, made on demand)
+
+
+def local_deadlines() -> Deadlines:
+    """The deadline thread of this process's calls to its own actors (ended when it leaves its group)."""
+    with _SEQ_LOCK:
+        if not _LOCAL_DEADLINES:
+            _LOCAL_DEADLINES.append(Deadlines("overlord-local-deadlines"))
+        return _LOCAL_DEADLINES[0]
 
 
 # ------------------------------------------------------------------------------ role worker processes

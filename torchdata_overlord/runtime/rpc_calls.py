@@ -12,14 +12,15 @@ import itertools
 
 import torch.distributed.rpc as rpc
 
-from ._rpc_worker import _SEQ, _SEQ_LOCK, Failure, _actor, _closed_job, _create, _invoke
-from .transport import ActorDied, ActorError, CallTimeout, Deadlines, settle
+from ._rpc_worker import _SEQ, _SEQ_LOCK, Failure, _actor, _closed_job, _create, _invoke, local_deadlines
+from .transport import ActorDied, ActorError, CallTimeout, settle
 from .wire import pack, unpack
 
 __all__ = ["call_actor", "map_error", "RpcPeers"]
 
 _DEAD_PEER = ("eof", "econnrefused", "connection reset", "connection refused", "broken pipe", "shutdown")
 _TIMEOUT = ("timeout", "timed out", "ran for more than")
+
 
 def map_error(e: BaseException, actor: str, method: str, timeout: float) -> BaseException:
     """An RPC-level failure as CallTimeout (no answer in time) or ActorDied (peer gone)."""
@@ -29,16 +30,6 @@ def map_error(e: BaseException, actor: str, method: str, timeout: float) -> Base
     if any(s in text for s in _DEAD_PEER):
         return ActorDied(f"actor {actor!r} is unreachable, its process is gone ({method}()): {e}", actor)
     return ActorError(f"{actor}.{method}() failed in the transport: {type(e).__name__}: {e}")
-
-
-_LOCAL_DEADLINES: list = []
-
-
-def _local_deadlines() -> Deadlines:
-    with _SEQ_LOCK:
-        if not _LOCAL_DEADLINES:
-            _LOCAL_DEADLINES.append(Deadlines("overlord-local-deadlines"))
-        return _LOCAL_DEADLINES[0]
 
 
 def call_actor(worker: str, actor: str, method: str, args, kwargs, timeout: float,
@@ -72,7 +63,7 @@ def call_actor(worker: str, actor: str, method: str, args, kwargs, timeout: floa
         if target is None:
             answer(_closed_job(key))
             return out
-        _local_deadlines().add(out, timeout, lambda: CallTimeout(
+        local_deadlines().add(out, timeout, lambda: CallTimeout(
             f"{actor}.{method}() got no answer within its timeout of {timeout:g} s", actor))
         target.submit(caller, seq, method, args, kwargs, answer, inline=direct)
         return out
