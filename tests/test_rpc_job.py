@@ -152,6 +152,43 @@ def test_start_up_fills_every_loader_and_stats_survive_a_dead_role(corpus):
         transport.stop()
 
 
+
+
+def test_a_fetch_forwarded_to_a_dead_constructor_fails_instead_of_hanging(corpus):
+    """A constructor asked for ranks of another constructor's bucket forwards the fetch; when that
+    constructor is dead, the forward fails at once (while the first still decides what to forward):
+    the fetch fails naming the dead one, and the asking constructor keeps answering."""
+    import threading
+
+    from torchdata_overlord.roles.constructor import receives_nothing
+    from torchdata_overlord.runtime.constructor_actor import ConstructorActor
+    from torchdata_overlord.runtime.transport import ActorDied
+
+    local = LocalJob(make_sources(corpus), vlm_strategy, make_mesh(), **job_kwargs(corpus))
+    plan = local.step().plan
+    local.close()
+    foreign = [r for r in range(make_mesh().world_size) if not receives_nothing(plan, r)[0] and plan.bucket_of(r) == 1]
+    assert foreign
+    transport = InProcessTransport()
+    try:
+        args = (None, 0, -100, corpus.image_token_id, transport, 5.0)
+        transport.start_actor("constructor:1", ConstructorActor, 1, *args)
+        transport.kill(["constructor:1"])
+        c0 = ConstructorActor(0, *args)
+        c0.commit(0, 0, plan, [0], {}, {"constructors": ["constructor:0", "constructor:1"]})
+        asked: list = []
+        t = threading.Thread(target=lambda: asked.append(c0.fetch(0, 0, foreign, None, 0)), daemon=True)
+        t.start()
+        t.join(30)                                      # on a thread of its own: a hang fails the test
+        assert not t.is_alive(), "the fetch hung forwarding to a dead constructor"
+        with pytest.raises(ActorDied, match="constructor:1"):
+            asked[0].result(timeout=30)
+        assert c0.stats()["waiting_fetches"] == 0
+        c0.close()
+    finally:
+        transport.stop()
+
+
 # ------------------------------------------------------------------------------ RPC (subprocess)
 
 SCRIPT = """

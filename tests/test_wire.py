@@ -21,9 +21,11 @@ def tensors(draw):
     shape = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=3)))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     t = (torch.rand(shape, generator=gen) * 100).to(dtype) if shape != (0,) else torch.empty(0, dtype=dtype)
-    how = draw(st.sampled_from(["plain", "transposed", "slice"]))
+    how = draw(st.sampled_from(["plain", "transposed", "permuted", "slice"]))
     if how == "transposed" and t.dim() >= 2:
         t = t.transpose(0, 1)                      # not contiguous
+    elif how == "permuted" and t.dim() >= 2:
+        t = t.permute(draw(st.permutations(range(t.dim()))))   # one dense block in another order
     elif how == "slice" and t.dim() >= 1 and t.shape[0] > 1:
         t = t[1:]                                  # a view at an offset into a larger storage
     return t
@@ -38,6 +40,7 @@ payloads = st.recursive(st.one_of(tensors(), st.integers(), st.text(max_size=5),
 def same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and (b.is_contiguous() or b.stride() == a.stride())
                 and torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b.view(torch.uint8)
                                 if b.dtype == torch.bool else b))
     if isinstance(a, dict):
@@ -70,6 +73,20 @@ def test_every_tensor_travels_in_one_buffer_and_comes_back_as_a_view_of_it():
     for t in (back["mb"][0]["input_ids"], back["mb"][0]["mask"], back["mb"][0]["pos"], back["mb"][1]):
         assert lo <= t.data_ptr() < lo + buffer.numel()       # a view of the buffer: no copy on receipt
         assert t.data_ptr() % 16 == lo % 16
+
+
+def test_a_permuted_image_travels_as_it_lies_in_memory_with_its_strides():
+    hwc = torch.randint(0, 256, (5, 7, 3), dtype=torch.uint8)
+    chw = hwc.permute(2, 0, 1)                                  # what image transforms hand over
+    bf16 = torch.randn(4, 6).to(torch.bfloat16).t()             # a dtype numpy lacks
+    gap = torch.arange(24).reshape(4, 6)[:, ::2]                # not one block: copied to contiguous
+    data, buffer = pack([chw, bf16, gap])
+    assert buffer.numel() == sum(-(-t.numel() * t.element_size() // 16) * 16 for t in (chw, bf16, gap))
+    back = unpack(data, buffer)
+    assert back[0].stride() == chw.stride() and torch.equal(back[0], chw)
+    assert back[1].stride() == bf16.stride() and torch.equal(back[1], bf16)
+    assert back[2].is_contiguous() and torch.equal(back[2], gap)
+    assert torch.equal(back[0].permute(1, 2, 0), hwc)
 
 
 def test_an_object_without_tensors_has_no_buffer_and_other_tensors_pickle_as_torch_does():

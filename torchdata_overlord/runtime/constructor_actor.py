@@ -32,7 +32,7 @@ from .transport import settle
 __all__ = ["ConstructorActor"]
 
 
-_BUILD = object()      # marks a build in the list _progress returns
+_START = object()      # marks work _progress decided (a build, a forward) in the list it returns: started after the lock
 
 
 class _Waiter:
@@ -209,14 +209,14 @@ class ConstructorActor(RoleActor):
                     ready = False
                     if b not in w.building:
                         w.building.add(b)
-                        done.append((self._build, (step, w, b), _BUILD))
+                        done.append((self._build, (step, w, b), _START))
             if ready is None:
                 continue
             if foreign and waiter.forwarded is None:
                 ready = False
                 if not waiter.forwarding:
                     waiter.forwarding = True
-                    self._forward(step, w, waiter, foreign)
+                    done.append((self._forward, (step, w, waiter, foreign), _START))
             if ready:
                 w.waiters.remove(waiter)
                 done.append((waiter.fut, self._answer(w, waiter, n), None))
@@ -276,13 +276,14 @@ class ConstructorActor(RoleActor):
         self._settle(todo)
 
     def _settle(self, todo: list) -> None:
-        """Answer the futures ``_progress`` settled, and start the builds it decided (outside the lock)."""
+        """Answer the futures ``_progress`` settled, and start the builds and forwards it decided
+        (outside the lock: a forward that fails at once, a build inline, take it again)."""
         for fut, result, exc in todo:
-            if exc is _BUILD:
-                if self.pool is None:
-                    fut(*result)
-                else:
+            if exc is _START:
+                if fut == self._build and self.pool is not None:
                     self.pool.submit(fut, *result)
+                else:
+                    fut(*result)
             else:
                 settle(fut, result, exc)
 

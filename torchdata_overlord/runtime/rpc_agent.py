@@ -29,7 +29,8 @@ import torch.distributed.rpc as rpc
 
 from ..errors import OverlordError
 
-__all__ = ["TransportStartupError", "start_rpc", "stop_rpc", "init_rpc", "fresh_rpc_state", "set_cpp_log_level"]
+__all__ = ["TransportStartupError", "start_rpc", "stop_rpc", "init_rpc", "fresh_rpc_state", "set_cpp_log_level",
+           "self_name"]
 log = logging.getLogger(__name__)
 
 #: the one Gloo deprecation warning every ``init_rpc`` prints (torch 2.14.1)
@@ -94,10 +95,20 @@ def _autograd_set_up_once(real: Callable[[int], None]) -> Callable[[int], None]:
     return init
 
 
+_SELF: list[str] = []          # this process's worker name while its agent runs (see self_name)
+
+
+def self_name() -> str:
+    """This process's RPC worker name. Asked on every call, so kept: ``rpc.get_worker_info()`` lets
+    the GIL go, and taking it back behind the busy threads of a worker costs up to a switch interval."""
+    return _SELF[0] if _SELF else rpc.get_worker_info().name
+
+
 def init_rpc(name: str, rank: int, world_size: int, init_method: str, rpc_timeout: float) -> None:
     import torch.distributed.autograd as dist_autograd
 
     fresh_rpc_state()
+    _SELF.clear()
     real = dist_autograd._init
     dist_autograd._init = _autograd_set_up_once(real)
     try:
@@ -105,6 +116,7 @@ def init_rpc(name: str, rank: int, world_size: int, init_method: str, rpc_timeou
             warnings.filterwarnings("ignore", message=GLOO_WARNING, category=UserWarning)
             rpc.init_rpc(name, rank=rank, world_size=world_size,
                          rpc_backend_options=backend_options(init_method, rpc_timeout))
+        _SELF.append(name)
     finally:
         dist_autograd._init = real
 
@@ -169,6 +181,8 @@ def start_rpc(name: str, rank: int, world_size: int, init_method: str, startup_t
 def stop_rpc(timeout: float) -> None:
     """Shut this process's agent down locally (no barrier), C++ warnings off meanwhile, at most
     ``timeout`` seconds; the other members carry on (or leave on their own)."""
+    _SELF.clear()
+
     def shut():
         try:
             rpc.shutdown(graceful=False)

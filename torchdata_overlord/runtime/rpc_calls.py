@@ -13,6 +13,7 @@ import itertools
 import torch.distributed.rpc as rpc
 
 from ._rpc_worker import _SEQ, _SEQ_LOCK, Failure, _actor, _closed_job, _create, _invoke, local_deadlines
+from .rpc_agent import self_name
 from .transport import ActorDied, ActorError, CallTimeout, settle
 from .wire import pack, unpack
 
@@ -39,7 +40,7 @@ def call_actor(worker: str, actor: str, method: str, args, kwargs, timeout: floa
     without RPC: no pickling, no socket, arguments passed by reference (as between the actors of
     ``runtime="local"``), in the same order and under the same timeout as any call; ``direct`` (see
     ``Transport.call``) runs it on this thread when the actor is idle."""
-    caller = rpc.get_worker_info().name
+    caller = self_name()
     out: cf.Future = cf.Future()
     local = worker == caller
     if not local:
