@@ -19,7 +19,7 @@ import torchdata_overlord as ol
 from torchdata_overlord.runtime import faults
 from torchdata_overlord.runtime.local import LocalJob
 from torchdata_overlord.runtime.rpc_job import RpcJob
-from torchdata_overlord.runtime.transport import InProcessTransport
+from torchdata_overlord.runtime.inprocess import InProcessTransport
 from torchdata_overlord.sim.corpus import build_demo_corpus
 
 import torchdata_overlord.sim.fault_run as D

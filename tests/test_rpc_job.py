@@ -23,7 +23,7 @@ import torchdata_overlord as ol
 from torchdata_overlord.runtime.local import LocalJob
 from torchdata_overlord.runtime.procstats import process_running as _alive
 from torchdata_overlord.runtime.rpc_job import RpcJob, SourceSpec
-from torchdata_overlord.runtime.transport import InProcessTransport
+from torchdata_overlord.runtime.inprocess import InProcessTransport
 from torchdata_overlord.sim.corpus import build_demo_corpus
 from torchdata_overlord.sources import ParquetSource
 from torchdata_overlord.testing import assert_identical

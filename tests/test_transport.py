@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import torchdata_overlord as ol
-from torchdata_overlord.runtime.transport import ActorDied, CallTimeout, InProcessTransport
+from torchdata_overlord.runtime.inprocess import InProcessTransport
+from torchdata_overlord.runtime.transport import ActorDied, CallTimeout
 from torchdata_overlord.sim import SimulatedLoaders, SyntheticSource
 
 SOURCES = [SyntheticSource("web", "web"), SyntheticSource("code", "code"), SyntheticSource("caps", "image_text")]

@@ -16,7 +16,7 @@ from ..plane.place_tree import ClientPlaceTree
 from .client import Job, StepResult
 from .job_config import RoleConfig, start_roles
 from .step import SourceExhausted
-from .transport import InProcessTransport
+from .inprocess import InProcessTransport
 
 __all__ = ["LocalJob", "SourceExhausted", "StepResult"]
 

@@ -1,8 +1,8 @@
 """The narrow actor transport the runtimes use: start a named actor, call a method on it, get a future.
 
 An *actor* is an object (a role: Planner, Source Loader, Data Constructor) living somewhere and
-addressed by name; a *transport* decides where. ``InProcessTransport`` keeps actors in this process
-(one thread each); ``RpcTransport`` (``rpc_transport.py``) keeps them in worker processes reached
+addressed by name; a *transport* decides where. ``InProcessTransport`` (``inprocess.py``) keeps actors
+in this process (one thread each); ``RpcTransport`` (``rpc_transport.py``) keeps them in worker processes reached
 with ``torch.distributed.rpc``. Any other engine can back the same four methods.
 
 Contract, for every transport:
@@ -29,7 +29,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import heapq
 import itertools
-import queue
 import threading
 import time
 import weakref
@@ -38,7 +37,7 @@ from typing import Callable
 
 from ..errors import ConfigError, OverlordError
 
-__all__ = ["Transport", "InProcessTransport", "ActorDied", "CallTimeout", "ActorError", "TransportClosed"]
+__all__ = ["Transport", "ActorDied", "CallTimeout", "ActorError", "TransportClosed"]
 
 
 class _ActorFailure:
@@ -241,185 +240,3 @@ class Deadlines:
             self._closed = True
             self._cv.notify()
         self._thread.join(join_timeout)
-
-
-class _ActorThread:
-    """One actor in this process: a thread running its calls in order."""
-
-    _STOP = object()
-
-    def __init__(self, name: str, obj: object, guard: threading.Lock):
-        self.name, self.obj, self.killed = name, obj, False
-        self.deferred: set[cf.Future] = set()      # answers still owed (a killed actor owes none)
-        self.running = threading.Lock()            # held while one of its calls runs, on any thread
-        self.guard, self.pending = guard, 0        # calls queued and not finished (under ``guard``)
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name=f"overlord-actor-{name}", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self.queue.get()
-            if item is self._STOP:
-                self._fail_queued()
-                if self.killed:
-                    self._release()
-                return
-            with self.running:
-                self.execute(*item)
-            with self.guard:
-                self.pending -= 1
-
-    def execute(self, fut: cf.Future, method: str, args: tuple, kwargs: dict) -> None:
-        """Run one call (holding ``running``) and answer ``fut``."""
-        if fut.cancelled():
-            return
-        if self.killed:
-            settle(fut, exc=ActorDied(f"actor {self.name!r} was killed ({method}())", self.name))
-            return
-        try:
-            result = getattr(self.obj, method)(*args, **kwargs)
-        except BaseException as e:       # noqa: BLE001 - delivered to the caller
-            settle(fut, exc=name_exception(e, self.name, method))
-        else:
-            if isinstance(result, cf.Future):        # deferred: answered when it completes
-                self.deferred.add(fut)
-                fut.add_done_callback(self.deferred.discard)
-                result.add_done_callback(lambda f, fut=fut, m=method: _forward(f, fut, self.name, m))
-            else:
-                settle(fut, result)
-
-    def _release(self) -> None:
-        """A killed actor frees what its object holds (thread pools, files), as a dead process would:
-        nobody calls its ``close()`` otherwise, and its threads would outlive the job."""
-        close = getattr(self.obj, "close", None)
-        if callable(close):
-            try:
-                close()
-            except Exception:            # noqa: BLE001 - the actor is dead; its clean-up is best effort
-                pass
-
-    def _fail_queued(self) -> None:
-        while True:
-            try:
-                item = self.queue.get_nowait()
-            except queue.Empty:
-                return
-            if item is not self._STOP:
-                settle(item[0], exc=ActorDied(f"actor {self.name!r} stopped before {item[1]}() ran", self.name))
-
-
-def _forward(src: cf.Future, dst: cf.Future, actor: str, method: str) -> None:
-    exc = src.exception()
-    if exc is not None:
-        settle(dst, exc=name_exception(exc, actor, method))
-    else:
-        settle(dst, src.result())
-
-
-class InProcessTransport(Transport):
-    """Actors are objects in this process; each runs its calls on its own (daemon) thread.
-
-    Arguments and results are passed by reference, not copied. ``stop()`` asks each actor thread
-    to finish after its queued calls and waits up to ``stop_timeout`` seconds in all.
-    """
-
-    def __init__(self, stop_timeout: float = 5.0):
-        self.stop_timeout = check_timeout(stop_timeout)
-        self._actors: dict[str, _ActorThread] = {}
-        self._killed: set[str] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._deadlines = Deadlines("overlord-inprocess-deadlines")
-
-    def start_actor(self, name: str, factory: Callable[..., object], *args, worker: int | None = None,
-                    **kwargs) -> None:
-        with self._lock:
-            if self._closed:
-                raise TransportClosed(f"cannot start actor {name!r}: the transport is stopped")
-            if name in self._actors:
-                raise ConfigError(f"an actor named {name!r} already exists")
-            self._actors[name] = _ActorThread(name, factory(*args, **kwargs), self._lock)
-
-    def call(self, name: str, method: str, *args, timeout: float, direct: bool = False, **kwargs) -> cf.Future:
-        timeout = check_timeout(timeout)
-        with self._lock:
-            if self._closed:
-                raise TransportClosed(f"cannot call {name}.{method}(): the transport is stopped")
-            actor = self._actors.get(name)
-            if actor is None:
-                raise ConfigError(f"no actor named {name!r}; actors: {sorted(self._actors)}")
-            fut: cf.Future = cf.Future()
-            if name in self._killed:
-                fut.set_exception(ActorDied(f"actor {name!r} was killed ({method}())", name))
-                return fut
-            inline = direct and actor.pending == 0 and not actor.killed and actor.running.acquire(blocking=False)
-            if not inline:
-                actor.pending += 1
-                actor.queue.put((fut, method, args, kwargs))
-        if inline:                 # idle, and the caller waits anyway: run it here, no thread hand-over
-            try:
-                actor.execute(fut, method, args, kwargs)
-            finally:
-                actor.running.release()
-            if fut.done():
-                return fut         # else deferred: answered later, under the same deadline as any call
-        self._deadlines.add(fut, timeout, lambda: CallTimeout(
-            f"{name}.{method}() got no answer within its timeout of {timeout:g} s", name))
-        return fut
-
-    def is_alive(self, name: str) -> bool:
-        actor = self._actors.get(name)
-        return actor is not None and not self._closed and actor.thread.is_alive() and name not in self._killed
-
-    def peers(self) -> "InProcessTransport":
-        return self
-
-    def actor(self, name: str) -> object:
-        """The object behind actor ``name`` (instrumenting and debugging: in this process only)."""
-        return self._actors[name].obj
-
-    # the peers interface actors use to replace each other (see RpcPeers)
-    def spawn(self, name: str, factory: Callable[..., object], args: tuple, worker: str | None = None) -> None:
-        """Start a (replacement) actor; ``worker`` is ignored: every actor lives in this process."""
-        self.start_actor(name, factory, *args)
-
-    def spawn_async(self, name: str, factory: Callable[..., object], args: tuple,
-                    worker: str | None = None) -> cf.Future:
-        out: cf.Future = cf.Future()
-        try:
-            self.spawn(name, factory, args, worker)
-            out.set_result(None)
-        except BaseException as e:       # noqa: BLE001 - delivered through the future
-            out.set_exception(e)
-        return out
-
-    def learn(self, where: dict) -> None:
-        """Placement news from another actor: nothing to learn in one process."""
-
-    def kill(self, names: list[str]) -> list[int]:
-        """Failure injection: actors ``names`` die; their queued and future calls fail with ActorDied."""
-        import os
-        for name in names:
-            with self._lock:
-                actor = self._actors[name]
-                self._killed.add(name)
-                actor.killed = True
-            actor.queue.put(_ActorThread._STOP)
-            for fut in list(actor.deferred):     # as a dead process's pending answers: the callers learn at once
-                settle(fut, exc=ActorDied(f"actor {name!r} was killed", name))
-        return [os.getpid()] * len(names)
-
-    def stop(self) -> None:
-        import time
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            actors = list(self._actors.values())
-        for a in actors:
-            a.queue.put(_ActorThread._STOP)
-        deadline = time.monotonic() + self.stop_timeout
-        for a in actors:
-            a.thread.join(max(0.0, deadline - time.monotonic()))
-        self._deadlines.close()
