@@ -138,6 +138,7 @@ def test_start_up_fills_every_loader_and_stats_survive_a_dead_role(corpus):
     """The roles' start fills each loader's first buffer (under the start-up timeout, not the call
     timeout); ``stats()`` names a role that cannot answer instead of raising."""
     transport = InProcessTransport()
+    job = None
     try:
         job = RpcJob(make_sources(corpus), vlm_strategy, make_mesh(), transport=transport, **job_kwargs(corpus))
         st = job.stats()
@@ -149,6 +150,8 @@ def test_start_up_fills_every_loader_and_stats_survive_a_dead_role(corpus):
         assert "error" in st["constructors"]["constructor:0"] and "constructor:0" not in st["roles"]
         assert st["sources"]["web"]["buffered"] == 24 and "error" not in st["planner"]
     finally:
+        if job is not None:
+            job.close()                  # the live roles' threads are the job's to stop (a dead one freed its own)
         transport.stop()
 
 
