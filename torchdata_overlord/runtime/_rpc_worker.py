@@ -313,6 +313,8 @@ def worker_main(name: str, rank: int, world_size: int, init_method: str, rpc_tim
     watch = threading.Thread(target=_watch_parent, args=(conn,), name="overlord-parent-watch", daemon=True)
     watch.start()
     init_rpc(name, rank, world_size, init_method, rpc_timeout)
-    gc.freeze()          # what start-up made (torch, pyarrow, ...) lives as long as the process: out of
-    watch.join()         # the collector's full passes, which stop every actor thread while they run                            # serves calls meanwhile; the watcher ends the process
+    # what start-up made (torch, pyarrow, ...) lives as long as the process: keep it out of the
+    # collector's full passes, which stop every actor thread while they run
+    gc.freeze()
+    watch.join()                            # serves calls meanwhile; the watcher ends the process
     os._exit(0)
