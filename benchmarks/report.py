@@ -159,13 +159,12 @@ def runtimes_table(data: dict) -> list[str]:
                       f"sample (rpc - local, every RPC hop and the different transform parallelism included)."]
     v, sr = data.get("verdict", {}), data.get("steprate") or {}
     if "steprate_rpc_over_local" in v:
-        cfg, rate = sr["config"], {k: sorted(r["steps_per_s"] for r in runs_) for k, runs_ in sr["runs"].items()}
-        med = {k: x[len(x) // 2] for k, x in rate.items()}
+        cfg, med = sr["config"], v["steprate_steps_per_s"]
         lines += ["", f"- step rate (issue 12), global batch {cfg['global_batch']}, mesh "
                       f"{', '.join(f'{k}={n}' for k, n in cfg['mesh'].items())}, default settings, nothing but `next()` "
                       f"in the loop: local {med['local']:.1f} steps/s, rpc {med['rpc']:.1f} steps/s "
                       f"({v['steprate_rpc_processes']} processes): rpc/local {v['steprate_rpc_over_local']:.2f} "
-                      f"(target >= {cfg['target_rpc_over_local']}; medians of {len(rate['rpc'])} interleaved runs, "
+                      f"(target >= {cfg['target_rpc_over_local']}; medians of {len(sr['runs']['rpc'])} interleaved runs, "
                       f"per round {', '.join(f'{x:.2f}' for x in v.get('steprate_rpc_over_local_each_round', []))})."]
     lines += ["", data.get("processes_note", "")]
     return lines

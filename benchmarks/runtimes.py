@@ -424,6 +424,7 @@ def main(argv=None) -> int:
 
     if len(steprate) == 2:
         rate = {k: float(np.median([r["steps_per_s"] for r in v])) for k, v in steprate.items()}
+        verdict["steprate_steps_per_s"] = rate
         verdict["steprate_rpc_over_local"] = rate["rpc"] / rate["local"]
         verdict["steprate_meets_target"] = verdict["steprate_rpc_over_local"] >= STEPRATE["target_rpc_over_local"]
         verdict["steprate_rpc_processes"] = steprate["rpc"][0]["processes"]
