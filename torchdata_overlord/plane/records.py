@@ -44,7 +44,9 @@ class BufferMeta:
 
     ``tokens`` counts text tokens; ``num_images`` and ``patches`` count images and their patches
     (``patches_sq`` is the sum of squared per-image patch counts, which quadratic encoder costs
-    need). ``extras`` holds any further numeric per-sample columns.
+    need). ``extras`` holds any further numeric per-sample columns. ``order`` (optional) is each
+    sample's read-order key in its source: the data-parallel parts of one source report disjoint
+    buffers, and :meth:`merge` orders their union as one reader would have read it.
     """
 
     source: str
@@ -54,9 +56,12 @@ class BufferMeta:
     patches: np.ndarray | None = None
     patches_sq: np.ndarray | None = None
     extras: Mapping[str, np.ndarray] = field(default_factory=dict)
+    order: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(np.asarray(self.index))
+        if self.order is not None:
+            object.__setattr__(self, "order", _int_column("order", self.order, n))
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         set_("index", _int_column("index", self.index))
         set_("tokens", _int_column("tokens", self.tokens, n))
@@ -76,6 +81,22 @@ class BufferMeta:
 
     def __len__(self) -> int:
         return len(self.index)
+
+    @classmethod
+    def merge(cls, parts: Sequence["BufferMeta"], limit: int) -> tuple["BufferMeta", np.ndarray]:
+        """The union of one source's parts in read order, its first ``limit`` samples: what one loader
+        reading the whole source would report; and the part each kept sample came from."""
+        if any(p.order is None for p in parts):
+            raise ConfigError(f"source {parts[0].source!r}: merging data-parallel parts needs every part's read order")
+        cat = lambda get: np.concatenate([get(p) for p in parts])  # noqa: E731
+        order = cat(lambda p: p.order)
+        keep = np.argsort(order, kind="stable")[:limit]
+        owner = np.concatenate([np.full(len(p), j, np.int64) for j, p in enumerate(parts)])[keep]
+        extras = {k: cat(lambda p, k=k: p.extras[k])[keep] for k in parts[0].extras}
+        merged = cls(parts[0].source, cat(lambda p: p.index)[keep], cat(lambda p: p.tokens)[keep],
+                     cat(lambda p: p.num_images)[keep], cat(lambda p: p.patches)[keep],
+                     cat(lambda p: p.patches_sq)[keep], extras, order[keep])
+        return merged, owner
 
     @classmethod
     def from_samples(cls, source: str, samples: Iterable[Mapping]) -> "BufferMeta":

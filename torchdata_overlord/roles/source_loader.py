@@ -6,7 +6,10 @@ buffer, reports the buffer's metadata to the Planner (never the bytes), and hand
 the samples a plan names. As a ``torchdata.nodes.BaseNode`` its ``next()`` yields the buffered
 samples' stream, and its state is the source position of the oldest sample still buffered plus
 the samples taken out of order after it, so ``reset(state)`` rebuilds the identical buffer by
-re-reading, and no sample bytes ever go into a checkpoint.
+re-reading, and no sample bytes ever go into a checkpoint. Over a source that reports read-order
+keys (``last_order``, ``owns``: :class:`~torchdata_overlord.ParquetSource` and its kin) the buffer's
+metadata carries them and a taken sample is kept with its key, so the data-parallel parts of one
+source (:mod:`.loader_parts`) merge into the buffer and state one loader would have.
 """
 
 from __future__ import annotations
@@ -64,8 +67,10 @@ class SourceLoader(BaseNode[tuple]):
         self.source, self.name = source, source.name
         self.buffer_size, self.workers, self.image_token_id = buffer_size, workers, image_token_id
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"overlord-{self.name}") if workers else None
-        # index -> (record, source state before reading it, read sequence number, metadata row), oldest first
-        self._buffer: OrderedDict[int, tuple[Any, dict, int, tuple]] = OrderedDict()
+        # index -> (record, source state before reading it, read sequence number, metadata row, read-order
+        # key or -1), oldest first
+        self._buffer: OrderedDict[int, tuple[Any, dict, int, tuple, int]] = OrderedDict()
+        self.ordered = hasattr(source, "last_order") and hasattr(source, "owns")
         self._seq = 0
         self._initial = {self.SOURCE_STATE: source.state_dict(), self.TAKEN: [], self.EPOCH_LOG: [source.epoch]}
         self.served = 0
@@ -79,7 +84,12 @@ class SourceLoader(BaseNode[tuple]):
         self._buffer.clear()
         self.exhausted = False
         self.source.load_state_dict(state[self.SOURCE_STATE])
-        self._taken: dict[int, int | None] = {int(i): None for i in state[self.TAKEN]}  # index -> read seq
+        # index -> (read seq, None until read again; read-order key, -1 if the source has none)
+        self._taken: dict[int, tuple[int | None, int]] = {}
+        for t in state[self.TAKEN]:
+            i, order = (int(t[0]), int(t[1])) if isinstance(t, (list, tuple)) else (int(t), -1)
+            if order < 0 or self.source.owns(order):       # a part keeps only its own units' takes
+                self._taken[i] = (None, order)
         self.epochs_started = list(state[self.EPOCH_LOG])
         self._base_state = self.source.state_dict()
         self._productive_at = self.source.rows_passed   # where the last read round buffered something
@@ -93,8 +103,8 @@ class SourceLoader(BaseNode[tuple]):
         return index, self.take([index])[index]
 
     def get_state(self) -> dict:
-        return {self.SOURCE_STATE: self._base_state, self.TAKEN: sorted(self._taken),
-                self.EPOCH_LOG: list(self.epochs_started)}
+        taken = [[i, o] for i, (_, o) in sorted(self._taken.items())] if self.ordered else sorted(self._taken)
+        return {self.SOURCE_STATE: self._base_state, self.TAKEN: taken, self.EPOCH_LOG: list(self.epochs_started)}
 
     # -- role API ------------------------------------------------------------------------------
     def fill(self) -> None:
@@ -123,19 +133,20 @@ class SourceLoader(BaseNode[tuple]):
                 self.epochs_started.append(self.source.epoch)
                 log.info("source %r: starting epoch %d with a new order", self.name, self.source.epoch)
             self._seq += 1
+            order = self.source.last_order if self.ordered else -1
             if index in self._taken:          # consumed before the last checkpoint: skip on rebuild
-                self._taken[index] = self._seq
+                self._taken[index] = (self._seq, order)
                 self._productive_at += 1      # (a row taken is not a row skipped)
                 continue
-            raws.append((index, row, where, before, self._seq))
+            raws.append((index, row, where, before, self._seq, order))
         apply = self.source.apply
         if self._pool is not None and len(raws) > 1:
             records = list(self._pool.map(lambda r: apply(r[1], r[2]), raws))
         else:
             records = [apply(r[1], r[2]) for r in raws]
-        for (index, _, _, before, seq), rec in zip(raws, records):
+        for (index, _, _, before, seq, order), rec in zip(raws, records):
             if rec is not SKIPPED:
-                self._buffer[index] = (rec, before, seq, self._meta_row(rec))
+                self._buffer[index] = (rec, before, seq, self._meta_row(rec), order)
         if not self._buffer:            # nothing buffered: the state moves past what was read
             self._base_state, self._taken = self.source.state_dict(), {}
 
@@ -151,8 +162,9 @@ class SourceLoader(BaseNode[tuple]):
         n = len(self._buffer)
         idx = np.fromiter(self._buffer.keys(), np.int64, n)
         rows = np.array([entry[3] for entry in self._buffer.values()], np.float64).reshape(n, 4)
+        order = np.fromiter((entry[4] for entry in self._buffer.values()), np.int64, n) if self.ordered else None
         return BufferMeta(self.name, idx, rows[:, 0].astype(np.int64), num_images=rows[:, 1].astype(np.int64),
-                          patches=rows[:, 2].astype(np.int64), patches_sq=rows[:, 3])
+                          patches=rows[:, 2].astype(np.int64), patches_sq=rows[:, 3], order=order)
 
     def take(self, indices: Iterable[int]) -> dict[int, Any]:
         """Hand over (and forget) exactly these buffered samples."""
@@ -162,15 +174,15 @@ class SourceLoader(BaseNode[tuple]):
             if i not in self._buffer:
                 raise ConfigError(f"source {self.name!r}: sample {i} is not in the read buffer; a plan may only "
                                   f"name samples from the metadata this loader reported")
-            rec, _, seq, _ = self._buffer.pop(i)
+            rec, _, seq, _, order = self._buffer.pop(i)
             out[i] = rec
-            self._taken[i] = seq
+            self._taken[i] = (seq, order)
         self.served += len(out)
         # the state moves forward to the oldest sample still buffered; takes read after it are remembered
         if self._buffer:
-            _, before, oldest, _ = next(iter(self._buffer.values()))
+            _, before, oldest, _, _ = next(iter(self._buffer.values()))
             self._base_state = before
-            self._taken = {i: q for i, q in self._taken.items() if q is None or q > oldest}
+            self._taken = {i: t for i, t in self._taken.items() if t[0] is None or t[0] > oldest}
         else:
             self._base_state = self.source.state_dict()
             self._taken = {}

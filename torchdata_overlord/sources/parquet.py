@@ -13,9 +13,16 @@ Design, in brief:
   permutation drawn from ``numpy.random.default_rng([seed, epoch])``; the rows of unit
   ``(file, rg)`` are permuted by ``default_rng([seed, epoch, file, rg])``, so any position can be
   rebuilt without replaying earlier units. ``shuffle=False`` keeps file, row-group and row order.
-* **State** = ``{"epoch", "unit", "row", "fingerprint"}``: ``unit`` is the position in this
-  epoch's unit order, ``row`` the rows already consumed (yielded or skipped) from that unit. A
+* **State** = ``{"epoch", "unit", "row", "ahead", "units", "fingerprint"}``: ``unit`` is the position in
+  this epoch's unit order, ``row`` the rows already consumed (yielded or skipped) from that unit. A
   restore reads only the row group it lands in: everything before it is skipped via metadata.
+  ``ahead`` lists later units already read in part, ``[unit ordinal, rows]`` (``rows=-1``: all), so
+  a state merged from data-parallel parts (below) resumes each unit where its part left it.
+* **Data-parallel parts** (paper 5.1): ``shard(j, k)`` makes this source read only the units at
+  positions ``j, j+k, j+2k, ...`` of each epoch's order. The order, keys and state format do not
+  change, so a state of any part (or of the whole source) loads into any other shard layout.
+  :attr:`last_order` is the read-order key of the row just read (``unit ordinal << 32 | row``, with
+  ``unit ordinal = epoch * units + unit``): merging parts' buffers by it gives the one-reader order.
 """
 
 from __future__ import annotations
@@ -197,6 +204,9 @@ class ParquetSource:
         self._build_units()
         self.reads = 0  # row groups decoded so far (observability: restores must not re-read)
         self._handle = None  # (file, raw handle, ParquetFile) of the file being read
+        self._part = (0, 1)  # (j, k): this reader takes units j, j+k, ... of each epoch (see shard())
+        self._ahead: dict[int, int] = {}
+        self.last_order = -1
         self._set_position(0, 0, 0)
 
     # ---- setup ------------------------------------------------------------------------------
@@ -281,9 +291,26 @@ class ParquetSource:
 
     # ---- position ---------------------------------------------------------------------------
 
-    def _set_position(self, epoch: int, unit: int, row: int) -> None:
+    def shard(self, index: int, count: int) -> None:
+        """Read only units ``index, index + count, ...`` of each epoch's order (a data-parallel part)."""
+        if not (isinstance(count, int) and isinstance(index, int) and 0 <= index < count):
+            raise ConfigError(f"source {self.name!r}: shard({index!r}, {count!r}) needs 0 <= index < count")
+        self._part = (index, count)
+
+    @property
+    def units(self) -> int:
+        """Units (row groups, or files for text formats) per epoch: how far a source can be split."""
+        return len(self._urows)
+
+    def owns(self, order: int) -> bool:
+        """Whether the row with read-order key ``order`` (see :attr:`last_order`) is in this shard's units."""
+        j, k = self._part
+        return k == 1 or (int(order) >> 32) % len(self._urows) % k == j
+
+    def _set_position(self, epoch: int, unit: int, row: int, ahead=()) -> None:
         """Jump to (epoch, unit, row) using metadata only; the row group is decoded on the next read."""
         self.epoch, self._unit, self._row = epoch, unit, row
+        self._ahead = {int(g): int(r) for g, r in ahead}
         self._order = self._unit_order(epoch)
         self._drop_buffer()
         self._close_file()
@@ -308,7 +335,8 @@ class ParquetSource:
     def state_dict(self) -> dict:
         """The exact position plus the config fingerprint, as plain ints/strs/lists (JSON-able)."""
         fp = self._fingerprint
-        return {"epoch": self.epoch, "unit": self._unit, "row": self._row,
+        return {"epoch": self.epoch, "unit": self._unit, "row": self._row, "units": len(self._urows),
+                "ahead": [[g, r] for g, r in sorted(self._ahead.items())],
                 "fingerprint": {**fp, "columns": None if fp["columns"] is None else list(fp["columns"]),
                                 "files": [list(x) for x in fp["files"]]}}
 
@@ -325,7 +353,11 @@ class ParquetSource:
         if not ints or unit > n or (unit < n and row > self._urows[self._unit_order(epoch)[unit]]):
             raise ConfigError(f"source {self.name!r}: position epoch={epoch!r} unit={unit!r} row={row!r} "
                               f"is out of range for {n} row groups")
-        self._set_position(epoch, unit, row)
+        ahead = state.get("ahead") or []
+        if not all(isinstance(a, (list, tuple)) and len(a) == 2 and all(isinstance(v, int) for v in a) for a in ahead):
+            raise ConfigError(f"source {self.name!r}: state 'ahead' must be a list of [unit ordinal, rows], "
+                              f"got {ahead!r:.200}")
+        self._set_position(epoch, unit, row, ahead)
 
     def _check_fingerprint(self, fp) -> None:
         mine = self._fingerprint
@@ -379,6 +411,11 @@ class ParquetSource:
                 self._set_position(self.epoch + 1, 0, 0)
                 continue
             u = int(self._order[self._unit])
+            if self._part[1] > 1 and self._unit % self._part[1] != self._part[0]:
+                self._unit, self._row = self._unit + 1, 0       # another part's unit
+                continue
+            if self._row == 0 and self._ahead:
+                self._resume_unit(u)
             if self._row >= self._urows[u]:
                 self._unit, self._row = self._unit + 1, 0
                 self._drop_buffer()
@@ -387,6 +424,15 @@ class ParquetSource:
                 self.check_progress(since)
                 continue
             return self._sample(u)
+
+    def _resume_unit(self, u: int) -> None:
+        """Entering unit ``u``: start where a data-parallel part left it before a reshard (``ahead``)."""
+        g = self.epoch * len(self._urows) + self._unit
+        done = self._ahead.pop(g, 0)
+        for old in [x for x in self._ahead if x < g]:
+            del self._ahead[old]
+        if done:
+            self._row = int(self._urows[u]) if done < 0 else min(done, int(self._urows[u]))
 
     def check_progress(self, since: int) -> None:
         """Raise if every row since ``rows_passed`` was ``since`` was skipped and those rows span a whole
@@ -441,6 +487,7 @@ class ParquetSource:
         r = int(self._ufirst[u] + self._perm[self._row])  # row index within the file
         row = self._pending[self._row - self._pending_start]
         key = int(self._uoffset[u]) + r
+        self.last_order = ((self.epoch * len(self._urows) + self._unit) << 32) | self._row
         self._row += 1
         self.rows_passed += 1
         return self.epoch * self.num_rows + key, row, (self._files[int(self._ufile[u])].shown, r, key, self.epoch)
