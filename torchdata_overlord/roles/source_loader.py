@@ -191,11 +191,13 @@ class SourceLoader(BaseNode[tuple]):
     def replay(self, snapshot: dict, consumed: Iterable[Iterable[int]]) -> dict:
         """Differential restore: back to ``snapshot`` (a :meth:`get_state`), then redo each later
         step's consumption (fill the buffer, take that step's indices, in order). The result is the
-        state those steps left, because filling and taking are deterministic; returns it."""
+        state those steps left, because filling and taking are deterministic; returns it. A
+        data-parallel part takes the indices it holds (a step's own ones are all in its buffer)."""
         self.reset(snapshot)
+        part = getattr(self.source, "part", (0, 1))[1] > 1
         for indices in consumed:
             self.fill()
-            self.take(indices)
+            self.take([i for i in indices if i in self._buffer] if part else indices)   # a part: its own ones
         return self.get_state()
 
     def stats(self) -> dict:

@@ -19,14 +19,14 @@ class MetadataAhead:
         self.kept: tuple[int, int, dict] | None = None     # (gen, step, {source: (loader, BufferMeta)})
 
     def keep(self, gen: int, step: int, deliveries: Mapping) -> None:
-        """Step ``step``'s metadata from the deliveries of the step before (source -> Delivery)."""
+        """Step ``step``'s metadata from the deliveries of the step before (loader key -> Delivery)."""
         self.kept = (gen, step, {s: (self.r.active[s], d.meta) for s, d in deliveries.items() if d.meta is not None})
 
     def metadata(self, gen: int, step: int) -> dict:
-        """Every source's metadata for ``step``: what a delivery answered where still valid, else asked now."""
+        """Every loader's metadata for ``step``: what a delivery answered where still valid, else asked now."""
         kept, self.kept = self.kept, None
         have = {}
         if kept is not None and kept[:2] == (gen, step):
             have = {s: meta for s, (name, meta) in kept[2].items() if self.r.active[s] == name}
-        missing = [s for s in self.r.sources if s not in have]
+        missing = [s for s in self.r.keys if s not in have]
         return {**have, **(self.r.each_loader(lambda ref, s: ref.metadata(), step, only=missing) if missing else {})}

@@ -98,14 +98,16 @@ class ConstructorActor(RoleActor):
         fail_all([w.fut for work in old.values() for w in work.waiters],
                  JobReset(f"the job was reset to generation {gen}; call iter() again"))
 
-    def put(self, gen: int, step: int, source: str, records: Mapping[int, object]) -> None:
-        """One source's part of ``step`` (the samples this constructor's buckets need from it)."""
+    def put(self, gen: int, step: int, source: str, records: Mapping[int, object], loader: str | None = None) -> None:
+        """What one Source Loader (``loader``: its key, one of the source's data-parallel parts; default
+        the source) sends of ``step``: the samples this constructor's buckets need from it."""
+        loader = source if loader is None else loader
         with self.lock:
             w = self._work(gen, step)
-            if w is None or source in w.samples_from:      # a promoted loader re-sending a part that arrived
+            if w is None or loader in w.samples_from:      # a promoted loader re-sending a part that arrived
                 return
             w.samples.update({SampleKey(source, int(i)): r for i, r in records.items()})
-            w.samples_from.add(source)
+            w.samples_from.add(loader)
 
     def commit(self, gen: int, step: int, plan: Plan, buckets: list[int], state: dict, info: dict) -> dict:
         """``step`` is delivered (every part is in): its plan, the buckets this constructor builds and

@@ -36,9 +36,9 @@ class FaultPolicy:
             raise ConfigError(f"snapshot_every must be an integer >= 1 (steps between loader snapshots), got "
                               f"{self.snapshot_every!r}")
 
-    def loader_actor_args(self, source: str, peers) -> tuple:
-        """The :class:`~.loader_actor.LoaderActor` arguments of a replacement (or shadow) for ``source``."""
-        return (*self.loader_args[source], peers, self.store, self.snapshot_every)
+    def loader_actor_args(self, source: str, peers, part: tuple[int, int] = (0, 1)) -> tuple:
+        """The :class:`~.loader_actor.LoaderActor` arguments of a loader of ``source`` (part ``j`` of ``k``)."""
+        return (*self.loader_args[source], peers, tuple(part))
 
     def constructor_actor_args(self, c: int, peers, timeout: float) -> tuple:
         """The :class:`~.constructor_actor.ConstructorActor` arguments of a replacement constructor ``c``."""

@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 
 from ..errors import ConfigError
 from ..plane.place_tree import ClientPlaceTree
+from ..roles.loader_parts import Parts
 from ..sources.base import Source
 from ..sources.parquet import ParquetSource
 from .checkpoint_store import CheckpointStore
@@ -68,8 +69,9 @@ class LiveSource:
     def paths(self):
         return self.source
 
-    def build(self):
-        return self.source
+    def build(self, fresh: bool = False):
+        """The source itself; ``fresh``: a new one like it (another data-parallel part of it)."""
+        return SourceSpec.from_source(self.source).build() if fresh else self.source
 
 
 @dataclass
@@ -101,7 +103,7 @@ class SourceSpec:
         paths, transform, kwargs = src.spec_args()
         return cls(src.name, paths, transform, dict(kwargs), src.state_dict(), type(src))
 
-    def build(self):
+    def build(self, fresh: bool = True):
         src = (self.cls or ParquetSource)(self.name, self.paths, self.transform, **self.kwargs)
         if self.state is not None:
             src.load_state_dict(self.state)
@@ -130,6 +132,7 @@ class RoleConfig:
     snapshot_every: int = 10                # steps between Source Loader snapshots
     shadows: bool = False                   # a hot-standby Source Loader per source
     in_process: bool = False                # every role in this process: sources used as they are
+    actors: Any = 1                         # data-parallel Source Loaders per source (int, or {source: int})
 
     def __post_init__(self) -> None:
         self.specs = [LiveSource(s) if self.in_process and not isinstance(s, (SourceSpec, str))
@@ -146,6 +149,8 @@ class RoleConfig:
         if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= dp or dp % c:
             raise ConfigError(f"constructors={c!r} does not fit the mesh ({self.mesh.describe()}): give a divisor of "
                               f"dp={dp} (one Data Constructor per DP group is {dp}; fewer share groups)")
+        self.parts = Parts(self.names, {n: self.get(self.actors, n, 1) for n in self.names},
+                           {n: self.get(self.buffer_size, n, self.global_batch) for n in self.names})
         if isinstance(self.clients, bool) or not isinstance(self.clients, int) or not 1 <= self.clients:
             raise ConfigError(f"clients must be an integer >= 1, got {self.clients!r}")
         if self.strategy is not None and not self.in_process:     # None: a client of a launched job
@@ -162,13 +167,13 @@ class RoleConfig:
 
     @property
     def roles(self) -> list[str]:
-        return role_names(self.names, self.constructors, self.shadows)
+        return role_names(self.parts.keys, self.constructors, self.shadows)
 
     def placement(self, n_workers: int) -> dict[str, int]:
         """actor -> worker index: role ``j`` (Planner, loaders, constructors, shadows) on worker
         ``j % n_workers``, except that a shadow never shares its primary's worker when another exists."""
         where = {a: j % n_workers for j, a in enumerate(self.roles)}
-        for n in self.names if self.shadows else []:
+        for n in self.parts.keys if self.shadows else []:
             if where[shadow_actor(n)] == where[loader_actor(n)] and n_workers > 1:
                 where[shadow_actor(n)] = (where[loader_actor(n)] + 1) % n_workers
         return where
@@ -220,16 +225,17 @@ def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1, spare
         transport.start_actor(name, factory, *args, worker=where[name])
 
     start(PLANNER, PlannerActor, cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors,
-          cfg.clients, cfg.timeout, peers, policy)
-    for spec in cfg.specs:
-        start(loader_actor(spec.name), LoaderActor, *cfg.loader_args(spec), peers, store, cfg.snapshot_every)
+          cfg.clients, cfg.timeout, peers, policy, cfg.parts.to_dict())
+    for key in cfg.parts.keys:
+        args = policy.loader_actor_args(cfg.parts.source_of(key), peers, cfg.parts.shard_of(key))
+        start(loader_actor(key), LoaderActor, *args)
         if cfg.shadows:
-            start(shadow_actor(spec.name), LoaderActor, *cfg.loader_args(spec), peers, store, cfg.snapshot_every)
+            start(shadow_actor(key), LoaderActor, *args)
     for c in range(cfg.constructors):
         start(constructor_actor(c), ConstructorActor, c, *policy.constructor_args, peers, cfg.timeout, store,
               policy.build_thread)
     if warm_timeout is not None:
-        warm = {n: LoaderRef(transport, loader_actor(n), cfg.timeout).warm(timeout=warm_timeout) for n in cfg.names}
+        warm = {n: LoaderRef(transport, loader_actor(n), cfg.timeout).warm(timeout=warm_timeout) for n in cfg.parts.keys}
         cf.wait(list(warm.values()), timeout=warm_timeout + 5)
         for n, fut in warm.items():
             try:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import time
 from typing import Mapping, NamedTuple
 
+from ..errors import ConfigError
 from ..plane.records import BufferMeta
+from ..roles.loader_parts import part_key
 from ..roles.source_loader import SourceLoader, record_bytes
 from .refs import ConstructorRef
 from .role import RoleActor, gather
@@ -33,20 +35,28 @@ class Delivery(NamedTuple):
 class LoaderActor(RoleActor):
     """A SourceLoader that delivers each step's planned samples straight to the constructors.
 
-    Fault tolerance: every ``snapshot_every`` steps it writes its state to the checkpoint store
-    (``loader/<source>`` at version = steps delivered); between snapshots the Planner's per-step
-    checkpoints log what each step took, so :meth:`restore` rebuilds the state at any version from
-    the last snapshot plus a replay. A *shadow* is the same actor kept idle: it is told the
-    primary's state after every step (:meth:`follow`) and :meth:`promote` makes it the primary.
-    Calls from an older generation (a frozen Planner that woke up) are refused.
+    ``part=(j, k)``: it reads part ``j`` of its source's ``k`` data-parallel parts (see
+    :mod:`~torchdata_overlord.roles.loader_parts`).
+
+    Fault tolerance: the Planner snapshots every source's state to the checkpoint store and logs
+    what each step took, so :meth:`restore` rebuilds the state at any version from a snapshot plus a
+    replay. A *shadow* is the same actor kept idle: it is told the primary's state after every step
+    (:meth:`follow`) and :meth:`promote` makes it the primary. Calls from an older generation (a
+    frozen Planner that woke up) are refused.
     """
 
     def __init__(self, spec, buffer_size: int, workers: int, image_token_id: int | None, timeout: float, peers,
-                 store=None, snapshot_every: int = 0):
-        self.loader = SourceLoader(spec.build(), buffer_size, workers, image_token_id)
+                 part: tuple[int, int] = (0, 1)):
+        source = spec.build(fresh=part[1] > 1)
+        if part[1] > 1:
+            if not hasattr(source, "shard"):
+                raise ConfigError(f"source {spec.name!r}: a {type(source).__name__} cannot be split into data-parallel "
+                                  f"loaders (only sources read by row groups or files can); give it one loader actor")
+            source.shard(*part)
+        self.loader = SourceLoader(source, buffer_size, workers, image_token_id)
         self.name, self.timeout, self.peers = spec.name, float(timeout), peers
-        self.store, self.snapshot_every = store, int(snapshot_every)
-        self.gen, self.delivered, self.snapshots = 0, 0, 0
+        self.part, self.key = tuple(part), part_key(spec.name, *part)
+        self.gen, self.delivered = 0, 0
         self.followed: tuple[int, dict] | None = None        # (version, state) of the primary, when a shadow
         self.sent = {"samples": 0, "bytes": 0, "seconds": 0.0}   # to constructors: what and how long
         self.refill_error: BaseException | None = None       # what the refill after the last delivery raised
@@ -80,7 +90,8 @@ class LoaderActor(RoleActor):
         self.loader.fill()                  # a promoted or restored loader starts with an empty buffer
         recs = self.loader.take(indices) if indices else {}
         t0, acked = time.perf_counter(), []
-        futs = {c: ConstructorRef(self.peers, c, self.timeout).put(gen, step, self.name, {i: recs[i] for i in idx})
+        futs = {c: ConstructorRef(self.peers, c, self.timeout).put(gen, step, self.name, {i: recs[i] for i in idx},
+                                                                   self.key)
                 for c, idx in routes.items()}
         for f in futs.values():
             f.add_done_callback(lambda _: acked.append(time.perf_counter()))
@@ -94,10 +105,6 @@ class LoaderActor(RoleActor):
         self.sent["samples"] += sum(len(idx) for idx in routes.values())
         self.sent["bytes"] += sum(record_bytes(recs[i]) for idx in routes.values() for i in idx)
         self.delivered += 1
-        version = step + 1
-        if self.store is not None and self.snapshot_every and version % self.snapshot_every == 0:
-            self.store.put(f"loader/{self.name}", version, state)
-            self.snapshots += 1
         return Delivery(state, meta)
 
     # -- standby and recovery ------------------------------------------------------------------
@@ -128,7 +135,7 @@ class LoaderActor(RoleActor):
 
     def stats(self) -> dict:
         return {**self.loader.stats(), "steps_delivered": self.delivered, "sent": dict(self.sent),
-                "snapshots": self.snapshots}
+                "part": list(self.part)}
 
     def get_state(self) -> dict:
         return self.loader.get_state()

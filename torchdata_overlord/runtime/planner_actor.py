@@ -25,6 +25,7 @@ from typing import Callable, Mapping
 from ..errors import ConfigError
 from ..plane.place_tree import ClientPlaceTree
 from ..plane.plan import Plan
+from ..roles.loader_parts import Parts
 from ..roles.planner import Planner
 from .fault_policy import FAILURES, FaultPolicy, RoleLost
 from .feedback import FeedbackLog
@@ -47,9 +48,14 @@ class PlannerActor(RoleActor):
     LEADER = 0
 
     def __init__(self, strategy: Callable, mesh: ClientPlaceTree, global_batch: int, seed: int, sources: list[str],
-                 constructors: int, clients: int, timeout: float, peers, policy: FaultPolicy | None = None):
+                 constructors: int, clients: int, timeout: float, peers, policy: FaultPolicy | None = None,
+                 parts: Mapping[str, int] | None = None):
         self.planner = Planner(strategy, mesh, global_batch, seed=seed)
         self.mesh, self.sources, self.n = mesh, list(sources), int(constructors)
+        policy = policy or FaultPolicy()
+        # the Source Loaders: one per source, or a source's data-parallel parts (merged back here)
+        self.parts = Parts(self.sources, parts, {s: args[1] for s, args in policy.loader_args.items()})
+        self.owners: dict = {}                         # source -> which part holds each sample of this step
         self.clients, self.timeout, self.peers = int(clients), float(timeout), peers
         self.name = PLANNER
         self.gen = 0
@@ -61,7 +67,7 @@ class PlannerActor(RoleActor):
         self.attaches: dict[int, int] = collections.defaultdict(int)
         self.attach_waiting: list[tuple[int, int, int, cf.Future]] = []
         self.planned_steps = 0
-        self.recovery = Recovery(self, policy or FaultPolicy())
+        self.recovery = Recovery(self, policy)
         self.ahead = MetadataAhead(self.recovery)
 
     @property
@@ -131,9 +137,12 @@ class PlannerActor(RoleActor):
             metas = self.ahead.metadata(gen, step)
             if self.gen != gen:
                 return
+            metas, self.owners = self.parts.merge_meta(metas)
 
             def exhausted() -> list[str]:
-                return [n for n, ex in r.each_loader(lambda ref, s: ref.exhausted(), step).items() if ex]
+                done = {self.parts.source_of(k) for k, ex in r.each_loader(lambda ref, s: ref.exhausted(), step).items()
+                        if ex}
+                return [s for s in self.sources if s in done]
 
             plan = plan_step(self.planner, [metas[n] for n in self.sources], self.feedback, exhausted)
             self._dispatch(step, plan, seen)
@@ -160,14 +169,13 @@ class PlannerActor(RoleActor):
                 self.releases.hear()
                 if self.gen != gen:
                     return
-                args = {s: (gen, step, routes.sampled[s], {names[c]: idx for c, idx in routes.to[s].items()},
-                            dict(r.spares.where)) for s in self.sources}
+                args = self._deliveries(gen, step, routes, names)
                 delivered = r.each_loader(lambda ref, s: ref.deliver(*args[s], timeout=2 * self.timeout), step)
                 if self.gen != gen:
                     return
                 r.loader_state = {s: d.state for s, d in delivered.items()}
                 self.ahead.keep(gen, step + 1, delivered)
-                state = JobState.make(self.planner.state_dict(), r.loader_state, self.feedback)
+                state = JobState.make(self.planner.state_dict(), self.parts.merge_states(r.loader_state), self.feedback)
                 self.versions[step + 1] = state
                 r.checkpoints.checkpoint(step + 1, state, routes.sampled)
                 info = {"constructors": names, "where": dict(r.spares.where), "delayed": len(r.events) > seen}
@@ -181,8 +189,19 @@ class PlannerActor(RoleActor):
                 r.replace_constructor(names.index(actor), step, e)
                 return                      # rewound: the clients ask again in the new generation
         self.planned_steps += 1
+        for key in r.keys:
+            r.shadows.follow(key, step + 1)
+
+    def _deliveries(self, gen: int, step: int, routes, names: list[str]) -> dict[str, tuple]:
+        """Each loader's ``deliver`` arguments: the step's samples it holds, and where each goes."""
+        r, out = self.recovery, {}
         for s in self.sources:
-            r.shadows.follow(s, step + 1)
+            owners = self.owners.get(s)
+            sampled = self.parts.split(s, routes.sampled[s], owners)
+            to = {names[c]: self.parts.split(s, idx, owners) for c, idx in routes.to[s].items()}
+            for key, idx in sampled.items():
+                out[key] = (gen, step, idx, {c: per[key] for c, per in to.items() if per[key]}, dict(r.spares.where))
+        return out
 
     # -- generations ----------------------------------------------------------------------------------
     def new_generation(self, state: Mapping) -> None:
@@ -196,15 +215,16 @@ class PlannerActor(RoleActor):
         self.releases.reset(self.step)
         self.failed = None
         # the new line of history is written first: a loader replaced during the reset restores from it
-        r.loader_state = {s: dict(state[JobState.LOADERS][s]) for s in self.sources}
+        sources = {s: dict(state[JobState.LOADERS][s]) for s in self.sources}
+        r.loader_state = self.parts.split_states(sources)
         v = self.step
-        self.versions = {v: JobState.make(self.planner.state_dict(), r.loader_state, self.feedback)}
+        self.versions = {v: JobState.make(self.planner.state_dict(), sources, self.feedback)}
         r.checkpoints.reset(v, self.versions[v])
         r.each_loader(lambda ref, s: ref.new_generation(self.gen, r.loader_state[s]), v, rejoin=True)
         where = dict(r.spares.where, **({self.name: r.home} if r.home else {}))    # a replacement Planner's home
         r.each_constructor(lambda ref: ref.new_generation(self.gen, self.name, where), v)
-        for s in self.sources:
-            r.shadows.follow(s, v)
+        for key in r.keys:
+            r.shadows.follow(key, v)
 
     def rewind(self, to: int) -> None:
         """Back to the state after step ``to - 1`` (kept since every client consumed it)."""
@@ -231,7 +251,7 @@ class PlannerActor(RoleActor):
         r = self.recovery
         states = r.each_loader(lambda ref, s: ref.get_state(), self.step)
         r.loader_state = dict(states)
-        return JobState.make(self.planner.state_dict(), states, copy.deepcopy(self.feedback))
+        return JobState.make(self.planner.state_dict(), self.parts.merge_states(states), copy.deepcopy(self.feedback))
 
     def roles(self) -> dict:
         return self.recovery.roles()

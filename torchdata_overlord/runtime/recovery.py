@@ -53,7 +53,7 @@ class Recovery:
     def __init__(self, job, policy: FaultPolicy):
         self.job, self.policy, self.store = job, policy, policy.store
         self.peers, self.timeout, self.sources = job.peers, job.timeout, job.sources
-        self.active = {s: loader_actor(s) for s in self.sources}
+        self.active = {key: loader_actor(key) for key in self.keys}       # loader key -> the actor serving it
         self.constructor_names = [constructor_actor(c) for c in range(job.n)]
         self.loader_state: dict[str, dict] = {}        # each source's state after the last completed step
         self.renames = 0
@@ -62,6 +62,16 @@ class Recovery:
         self.events: list[dict] = []                   # failures handled: what, role, step, seconds, how
         self.shadows, self.checkpoints = Shadows(self), RecoveryStore(self)
         self.spares = Spares(self.peers, policy.spares, self.checkpoints.roles)
+
+    @property
+    def keys(self) -> list[str]:
+        """Every Source Loader's key: a source's name, or one of its data-parallel parts (``job.parts``)."""
+        return self.job.parts.keys
+
+    def loader_actor_args(self, key: str) -> tuple:
+        """The arguments of a new :class:`~.loader_actor.LoaderActor` for loader ``key``."""
+        parts = self.job.parts
+        return self.policy.loader_actor_args(parts.source_of(key), self.peers, parts.shard_of(key))
 
     def loader_ref(self, name: str) -> LoaderRef:
         return LoaderRef(self.peers, name, self.timeout)
@@ -72,10 +82,10 @@ class Recovery:
     # -- calling every loader / constructor, replacing those that fail -------------------------------
     def each_loader(self, call: Callable[[LoaderRef, str], cf.Future], step: int, rejoin: bool = False,
                     only: Iterable[str] | None = None) -> dict:
-        """``call(ref, source)`` on every source's active loader (``only``: on these sources'); a loader
+        """``call(ref, key)`` on every active loader (``only``: on these loader keys); a loader
         that fails is replaced and called again (``rejoin``: not called again, the replacement starts at
         the wanted state). A failed constructor behind a loader's delivery is re-raised for the caller."""
-        todo = {s: call(self.loader_ref(self.active[s]), s) for s in (self.sources if only is None else only)}
+        todo = {s: call(self.loader_ref(self.active[s]), s) for s in (self.keys if only is None else only)}
         out = {}
         while todo:
             cf.wait(list(todo.values()), timeout=2 * self.timeout + 5)
@@ -115,7 +125,7 @@ class Recovery:
 
     # -- Source Loaders -------------------------------------------------------------------------------
     def failover(self, source: str, step: int, err: BaseException) -> None:
-        """Replace ``source``'s loader: promote its shadow, else restore one on a spare process."""
+        """Replace loader ``source`` (a loader key): promote its shadow, else restore one on a spare process."""
         t0 = time.perf_counter()
         old, state = self.active[source], self.loader_state.get(source)
         how = "promoted its shadow" if self.shadows.promote(source, state) else None
@@ -136,15 +146,14 @@ class Recovery:
     def _new_loader(self, source: str) -> str:
         """A new primary for ``source`` on a spare, never on its shadow's process (not restored yet)."""
         name = self.new_name(loader_actor(source))
-        self.spares.spawn(name, LoaderActor, self.policy.loader_actor_args(source, self.peers),
-                          self.shadows.workers(source))
+        self.spares.spawn(name, LoaderActor, self.loader_actor_args(source), self.shadows.workers(source))
         return name
 
     def _restore_loader(self, name: str, source: str, version: int, state: dict | None) -> str:
         """Bring loader ``name`` to ``source``'s state at ``version`` (steps planned): from its last
         snapshot plus the consumption log in the store, else from the state kept in memory."""
         if self.store is not None:
-            got = self.checkpoints.differential(source, version)
+            got = self.checkpoints.differential(self.job.parts.source_of(source), version)
             if got is not None:
                 snap_version, snapshot, consumed = got
                 self.loader_ref(name).restore(self.job.gen, snapshot, consumed).result(self.timeout * 4)
@@ -201,8 +210,8 @@ class Recovery:
         self.home = home
         self.peers.learn(dict(self.spares.where))
         loaders = {}
-        for s in self.sources:
-            snap = self.checkpoints.differential(s, version)
+        for s in self.keys:
+            snap = self.checkpoints.differential(self.job.parts.source_of(s), version)
             if snap is None:
                 raise RoleLost(f"source {s!r}: no snapshot at or before step {version} to restore from")
             try:
@@ -213,7 +222,8 @@ class Recovery:
                 self.active[s] = name
                 self.replaced[loader_actor(s)] += 1
                 self._event("loader", old, version, t1, "restored on a spare process with the Planner", e)
-        job.new_generation({JobState.PLANNER: ck["planner"], JobState.LOADERS: loaders, JobState.FEEDBACK: ck["feedback"]})
+        job.new_generation({JobState.PLANNER: ck["planner"], JobState.LOADERS: job.parts.merge_states(loaders),
+                            JobState.FEEDBACK: ck["feedback"]})
         self._event("planner", PLANNER_KEY, version, t0, f"restored from the checkpoint of step {version}", None)
 
     # -- what happened, who serves where -------------------------------------------------------------
@@ -226,6 +236,6 @@ class Recovery:
     def roles(self) -> dict:
         """Every serving role -> where it lives (replacements), the shadows, and how many times each
         role (``"planner"``, ``"loader:<source>"``, ...) was taken over by a replacement."""
-        return {"loaders": dict(self.active), "shadows": dict(self.shadows.names),
+        return {"loaders": dict(self.active), "parts": self.job.parts.to_dict(), "shadows": dict(self.shadows.names),
                 "constructors": list(self.constructor_names), "where": dict(self.spares.where),
                 "replaced": dict(self.replaced)}

@@ -1,6 +1,7 @@
-"""The Planner's checkpoints in the store (``planner`` at version = steps planned, with who serves where)
-and what a restore reads back: a replacement Planner's restore point, and a loader's differential
-restore (its last snapshot plus the consumption log of the steps since)."""
+"""The Planner's checkpoints in the store (``planner`` at version = steps planned, with who serves where;
+``loader/<source>`` every ``snapshot_every`` steps: the source's state, the same whatever its
+data-parallel parts) and what a restore reads back: a replacement Planner's restore point, and a
+loader's differential restore (its source's last snapshot plus the consumption log of the steps since)."""
 
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ class RecoveryStore:
     def roles(self) -> dict:
         """Who serves where (checkpointed: a replacement Planner continues from it)."""
         r = self.r
-        return {"active": dict(r.active), "shadow": dict(r.shadows.names), "constructors": list(r.constructor_names),
+        return {"active": dict(r.active), "parts": r.job.parts.to_dict(), "shadow": dict(r.shadows.names), "constructors": list(r.constructor_names),
                 "where": dict(r.spares.where), "renames": r.renames, "dead_spares": sorted(r.spares.dead),
                 "replaced": dict(r.replaced), "home": r.home, "starting": r.shadows.starting_where()}
 
     def restore_roles(self, roles: Mapping) -> None:
         """Who serves where, back from a checkpoint's :meth:`roles` record (a replacement Planner)."""
         r = self.r
+        r.job.parts = r.job.parts.resized(roles.get("parts") or {})
         r.active, r.shadows.names = dict(roles["active"]), dict(roles["shadow"])
         r.constructor_names, r.spares.where = list(roles["constructors"]), dict(roles["where"])
         r.renames = int(roles["renames"])
@@ -47,7 +49,10 @@ class RecoveryStore:
                                               "consumed": {s: list(consumed.get(s, [])) for s in self.r.sources},
                                               "released": self.r.job.releases.released, "gen": self.r.job.gen,
                                               "roles": self.roles()})
-        # keep the two newest snapshots of each loader (a corrupt newest falls back to the one before)
+        if version % self.r.policy.snapshot_every == 0:      # each source's state, whatever its parts
+            for s in self.r.sources:
+                self.store.put(f"loader/{s}", version, state[JobState.LOADERS][s])
+        # keep the two newest snapshots of each source (a corrupt newest falls back to the one before)
         # and every Planner checkpoint since the older one: the consumption log a replay needs
         oldest = self.r.job.releases.released
         for s in self.r.sources:

@@ -100,8 +100,8 @@ class ConstructorRef(ActorRef):
     def new_generation(self, gen, planner, where, timeout=None):
         return self._now("new_generation", gen, planner, where, timeout=timeout)
 
-    def put(self, gen, step, source, records, timeout=None):
-        return self._now("put", gen, step, source, records, timeout=timeout)
+    def put(self, gen, step, source, records, loader=None, timeout=None):
+        return self._now("put", gen, step, source, records, loader, timeout=timeout)
 
     def commit(self, gen, step, plan, buckets, state, info, timeout=None):
         return self._now("commit", gen, step, plan, buckets, state, info, timeout=timeout)

@@ -64,7 +64,8 @@ class RpcJob(Job):
                  timeout: float = 60.0, startup_timeout: float = 60.0, stop_timeout: float = 10.0,
                  transport: Transport | None = None, group=None, address: str | None = None,
                  client: int | None = None, spares: int = 0, checkpoint_dir: str | None = None,
-                 snapshot_every: int = 10, shadows: bool = False, recovery_timeout: float = 120.0):
+                 snapshot_every: int = 10, shadows: bool = False, recovery_timeout: float = 120.0,
+                 actors: int | Mapping[str, int] = 1):
         if sum(x is not None for x in (transport, group, address)) > 1:
             raise ConfigError("give at most one of transport=, group= and address=")
         clients = 1
@@ -76,7 +77,7 @@ class RpcJob(Job):
             clients = dist.get_world_size(self._pg)
         cfg = RoleConfig(list(sources), strategy, mesh, global_batch, seq_len, seed, buffer_size, workers,
                          image_token_id, pad_id, ignore_index, constructors, clients, timeout, checkpoint_dir,
-                         snapshot_every, bool(shadows))
+                         snapshot_every, bool(shadows), actors=actors)
         if n_workers is None:
             n_workers = cfg.default_workers()
         if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:

@@ -18,12 +18,12 @@ log = logging.getLogger("torchdata_overlord")
 
 class Shadows:
     """Starts, adopts, updates and promotes the shadows of a :class:`~.recovery.Recovery` (``names``:
-    source -> its shadow now, None for none); a shadow starts on a spare without blocking a step."""
+    loader key -> its shadow now, None for none); a shadow starts on a spare without blocking a step."""
 
     def __init__(self, recovery):
         self.r = recovery
         self.names: dict[str, str | None] = {s: (shadow_actor(s) if recovery.policy.shadows else None)
-                                             for s in recovery.sources}
+                                             for s in recovery.keys}
         self.starting: dict[str, tuple] = {}          # source -> (shadow name, worker, future) being started
         self.died: set[tuple[str, str]] = set()       # (source, shadow) whose follow() found it dead
         self.shadowless: set[str] = set()             # sources warned about: no spare can host their shadow
@@ -41,7 +41,7 @@ class Shadows:
                 log.warning("source %r runs without a shadow: no live spare process except its primary's (a "
                             "failure restores it from the checkpoint instead)", source)
             return
-        name, args = r.new_name(shadow_actor(source)), r.policy.loader_actor_args(source, r.peers)
+        name, args = r.new_name(shadow_actor(source)), r.loader_actor_args(source)
         self.starting[source] = (name, order[0], r.peers.spawn_async(name, LoaderActor, args, order[0]))
 
     def adopt(self) -> None:
@@ -66,7 +66,7 @@ class Shadows:
             self.names[source] = name
             r.replaced[shadow_actor(source)] += 1
             self.follow(source, r.job.step)
-        for source in r.sources:
+        for source in r.keys:
             self.ensure(source)
 
     def follow(self, source: str, version: int) -> None:

@@ -298,6 +298,11 @@ class ParquetSource:
         self._part = (index, count)
 
     @property
+    def part(self) -> tuple[int, int]:
+        """``(j, k)``: this reader's part of the source (``(0, 1)``: all of it)."""
+        return self._part
+
+    @property
     def units(self) -> int:
         """Units (row groups, or files for text formats) per epoch: how far a source can be split."""
         return len(self._urows)
@@ -408,13 +413,13 @@ class ParquetSource:
             if self.epochs is not None and self.epoch >= self.epochs:
                 raise StopIteration
             if self._unit >= len(self._urows):
-                self._set_position(self.epoch + 1, 0, 0)
+                self._set_position(self.epoch + 1, 0, 0, self._ahead.items())
                 continue
             u = int(self._order[self._unit])
             if self._part[1] > 1 and self._unit % self._part[1] != self._part[0]:
                 self._unit, self._row = self._unit + 1, 0       # another part's unit
                 continue
-            if self._row == 0 and self._ahead:
+            if self._table is None and self._ahead:
                 self._resume_unit(u)
             if self._row >= self._urows[u]:
                 self._unit, self._row = self._unit + 1, 0
@@ -426,13 +431,13 @@ class ParquetSource:
             return self._sample(u)
 
     def _resume_unit(self, u: int) -> None:
-        """Entering unit ``u``: start where a data-parallel part left it before a reshard (``ahead``)."""
+        """Before reading unit ``u``: skip the rows a data-parallel part read of it before a reshard (``ahead``)."""
         g = self.epoch * len(self._urows) + self._unit
         done = self._ahead.pop(g, 0)
         for old in [x for x in self._ahead if x < g]:
             del self._ahead[old]
         if done:
-            self._row = int(self._urows[u]) if done < 0 else min(done, int(self._urows[u]))
+            self._row = int(self._urows[u]) if done < 0 else max(self._row, min(done, int(self._urows[u])))
 
     def check_progress(self, since: int) -> None:
         """Raise if every row since ``rows_passed`` was ``since`` was skipped and those rows span a whole
