@@ -121,9 +121,10 @@ def profile_source(source, rows: int = 128, time_limit: float = 2.0) -> SourcePr
             t1 = time.thread_time()
             if counts_decodes and source.reads > reads:
                 read_decode, decodes = read_decode + t1 - t0, decodes + source.reads - reads
+                group_bytes = max(group_bytes, source.buffer_bytes)
             else:
                 read_plain, plain_calls = read_plain + t1 - t0, plain_calls + 1
-            group_bytes = max(group_bytes, source.buffer_bytes)
+            t1 = time.thread_time()
             try:
                 out = source.apply(row, where)
             except Exception:  # noqa: BLE001 - a failing row is skipped here, as under on_error="skip"
