@@ -21,7 +21,7 @@ import math
 from typing import Mapping
 
 from ..errors import ConfigError
-from .placement import PROCESS_BYTES, Placement, SourcePlacement
+from .placement import PROCESS_BYTES, Placement, SourcePlacement, plural
 from .profile import SourceProfile
 
 __all__ = ["auto_partition", "PLANNER_CORES", "CONSTRUCTOR_CORES", "SAMPLES_PER_CONSTRUCTOR_CORE",
@@ -103,21 +103,15 @@ def auto_partition(profiles: Mapping[str, SourceProfile], weights: Mapping[str, 
     # (4) processes: every actor by estimated CPU, the largest first onto the least loaded process
     cpu = {n: min(share[n] * loader_cores, actors[n] * max(1, shape[n][1])) / actors[n] for n in names}
     n_proc = processes(actors)
-    load = [[0.0, 0, 0] for _ in range(n_proc)]          # per process: cores, bytes, actors
-    where = {}
-    items = ([(PLANNER_CORES, 0, ("planner",))]
-             + [(cpu[n], actor_bytes[n], ("loader", n, j)) for n in names for j in range(actors[n])]
-             + [(constructor_cores, 0, ("constructor", c)) for c in range(constructors)])
-    for c, b, what in sorted(items, key=lambda it: (-it[0], -it[1])):       # stable: ties in role order
-        p = min(range(n_proc), key=lambda p: (*load[p], p))
-        load[p][0], load[p][1], load[p][2] = load[p][0] + c, load[p][1] + b, load[p][2] + 1
-        where[what] = p
+    where, load = _pack([(PLANNER_CORES, 0, ("planner",))]
+                        + [(cpu[n], actor_bytes[n], ("loader", n, j)) for n in names for j in range(actors[n])]
+                        + [(constructor_cores, 0, ("constructor", c)) for c in range(constructors)], n_proc)
     # a shadow is idle until promoted: spread them, never on the primary's process when another exists
     shadow_at, standby = {}, [0] * n_proc
     for n in names if shadows else []:
         mine = {where["loader", n, j] for j in range(actors[n])}
         avoid = mine if len(mine) < n_proc else {where["loader", n, 0]} if n_proc > 1 else set()
-        p = min((p for p in range(n_proc) if p not in avoid), key=lambda p: (standby[p], load[p][0], p))
+        p = min((p for p in range(n_proc) if p not in avoid), key=lambda p: (standby[p], load[p], p))
         standby[p] += 1
         shadow_at[n] = p
 
@@ -139,8 +133,21 @@ def auto_partition(profiles: Mapping[str, SourceProfile], weights: Mapping[str, 
               "constructor_cores": constructor_cores, "loader_cores": loader_cores,
               "cpu": PLANNER_CORES + constructors * constructor_cores + sum(a * cpu[n] for n, a in actors.items()),
               "memory": memory(actors), "workers": sum(a * shape[n][1] for n, a in actors.items())}
-    return Placement(placed, n_proc, where["planner",], tuple(where["constructor", c] for c in range(constructors)),
+    return Placement(placed, n_proc, where[("planner",)], tuple(where["constructor", c] for c in range(constructors)),
                      shadow_at, budget, "auto", tuple(notes))
+
+
+def _pack(items: list, n: int) -> tuple[dict, list]:
+    """Longest processing time first: each ``(cores, bytes, actor)``, the most cores first (ties: more
+    bytes, then the given order), onto the process with the least (cores, bytes, actors) so far.
+    Returns actor -> process and each process's cores."""
+    load = [(0.0, 0, 0)] * n
+    where = {}
+    for cores, bytes_, actor in sorted(items, key=lambda it: (-it[0], -it[1])):     # stable sort
+        p = min(range(n), key=lambda p: (*load[p], p))
+        load[p] = (load[p][0] + cores, load[p][1] + bytes_, load[p][2] + 1)
+        where[actor] = p
+    return where, [c for c, _, _ in load]
 
 
 def _shape(n: int, max_actors: int, w_actor: int) -> tuple[int, int]:
@@ -179,7 +186,7 @@ def _reason(p: SourceProfile, g: int, level: list, actors: int, workers: int, wh
         rank = "lightest"
     else:
         rank = f"{level[g] / level[-1]:.3g}x the lightest" if level[-1] > 0 else "lighter"
-    run = f"{_n(actors, 'actor')} x {_n(workers, 'worker')}" if workers else "1 actor, inline"
+    run = f"{plural(actors, 'actor')} x {plural(workers, 'worker')}" if workers else "1 actor, inline"
     return f"cluster {g} (P={p.transform_s * 1e3:.3g} ms, {rank}): {run}, " + ", ".join(why)
 
 
@@ -212,10 +219,6 @@ def _check(names, cores, memory_bytes, constructors, global_batch, buffer_size, 
             continue
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ConfigError(f"{label} must be an integer >= {low}, got {v!r}")
-
-
-def _n(k: int, what: str) -> str:
-    return f"{k} {what}{'' if k == 1 else 's'}"
 
 
 def _mib(n: int) -> str:

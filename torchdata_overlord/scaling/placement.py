@@ -131,9 +131,10 @@ class Placement:
         """Per process its actors and estimated load, per source its actors x workers and why, the totals."""
         b, estimated = self.budget, self.method == "auto"
         loaders = sum(sp.actors for sp in self.sources.values())
-        lines = [f"placement ({self.method}): {len(self.sources)} sources -> {loaders} loader actors, 1 planner, "
-                 f"{len(self.constructors)} constructors{f', {len(self.shadows)} shadows' if self.shadows else ''} "
-                 f"in {self.processes} processes"]
+        shadows = f", {plural(len(self.shadows), 'shadow')}" if self.shadows else ""
+        lines = [f"placement ({self.method}): {plural(len(self.sources), 'source')} -> {plural(loaders, 'loader actor')}"
+                 f", 1 planner, {plural(len(self.constructors), 'constructor')}{shadows} in "
+                 f"{plural(self.processes, 'process')}"]
         if estimated:
             lines.append(f"  budget: {b['cores']:g} cores (planner {b['planner_cores']:.2f}, constructors "
                          f"{b['constructor_cores'] * len(self.constructors):.2f}, loaders {b['loader_cores']:.2f}); "
@@ -145,8 +146,7 @@ class Placement:
         for name, sp in self.sources.items():
             for j, p in enumerate(sp.processes):
                 label = name if sp.actors == 1 else f"{name}#{j}"
-                actors[p].append(f"{label} (inline)" if not sp.workers else
-                                 f"{label} ({sp.workers} worker{'s' if sp.workers > 1 else ''})")
+                actors[p].append(f"{label} ({plural(sp.workers, 'worker') if sp.workers else 'inline'})")
         for name, p in self.shadows.items():
             actors[p].append(f"shadow:{name}")
         for p, (cpu, mem) in enumerate(self.loads()):
@@ -158,10 +158,15 @@ class Placement:
                          f"{','.join(map(str, sp.processes))}{cost} -- {sp.reason}")
         if estimated:
             workers = sum(sp.actors * sp.workers for sp in self.sources.values())
-            lines.append(f"  totals: {self.actor_count()} actors, {workers} workers, cpu {b['cpu']:.2f} of "
+            lines.append(f"  totals: {plural(self.actor_count(), 'actor')}, {plural(workers, 'worker')}, cpu {b['cpu']:.2f} of "
                          f"{b['cores']:g} cores, memory {_bytes(b['memory'])} of {_bytes(b['memory_bytes'])}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def plural(k: int, what: str) -> str:
+    """``1 actor``, ``2 actors``, ``3 processes``."""
+    return f"{k} {what}{'' if k == 1 else 'es' if what.endswith('s') else 's'}"
 
 
 def _bytes(n: int | None) -> str:
