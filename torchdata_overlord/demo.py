@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
                                mesh, rank=None, global_batch=args.global_batch, seq_len=None, seed=args.seed,
                                workers={"caps": args.workers}, image_token_id=corpus.image_token_id,
                                runtime=args.runtime)
+    if loader.placement is not None:        # runtime="rpc": where every actor runs, and why
+        print(loader.placement.render())
     from tqdm import tqdm
 
     per_step, worst, samples, tokens = [], None, 0, 0

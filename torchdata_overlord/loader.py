@@ -86,9 +86,13 @@ class OverlordLoader:
     ``rank=None`` simulates every rank of the mesh in this process: each item is then
     ``{rank: item}``. ``runtime="local"`` runs every role in this process; ``runtime="rpc"`` runs
     the Planner, each Source Loader and one Data Constructor per DP group (``constructors=``) as
-    actors in worker processes over ``torch.distributed.rpc`` (as many as the cores this process
-    leaves free, at most one per role; one per role with ``fault_tolerance``; or ``n_workers``),
-    on loopback, started by this process; with ``group=`` (a ``torch.distributed``
+    actors in worker processes over ``torch.distributed.rpc``, on loopback, started by this process.
+    Where: ``placement="auto"`` (default) profiles every source (transform time, sample and row-group
+    bytes; journaled, so a restart over unchanged files reuses it) and gives each source data-parallel
+    actors and transform workers by its share of the mixture's cost, packed into as few processes as
+    the cores this process leaves free (see :mod:`torchdata_overlord.scaling`; ``loader.placement.render()``
+    says where and why); a :class:`~torchdata_overlord.scaling.Placement` places by hand;
+    ``n_workers=N`` puts one actor per source round robin on N processes, as before; with ``group=`` (a ``torch.distributed``
     process group, or ``"default"``) every trainer process of the group is a client and group rank 0
     starts the roles; with ``address="host:port"`` the roles were started by
     ``python -m torchdata_overlord.launch`` and this process joins them as client ``rank``. The
@@ -127,10 +131,10 @@ class OverlordLoader:
     def __init__(self, sources: Iterable, strategy: Callable, mesh: ClientPlaceTree, rank: int | None,
                  global_batch: int, seq_len: int | None, runtime: str = "local", seed: int = 0, prefetch: int = 2,
                  pin_memory: bool = False, buffer_size: int | Mapping[str, int] | None = None,
-                 workers: int | Mapping[str, int] = 0, image_token_id: int | None = None, pad_id: int = 0,
+                 workers: int | Mapping[str, int] | None = None, image_token_id: int | None = None, pad_id: int = 0,
                  timeout: float = 300.0, startup_timeout: float = 60.0, n_workers: int | None = None,
                  constructors: int | None = None, group=None, address: str | None = None, spares: int = 0,
-                 fault_tolerance: "FaultTolerance | None" = None):
+                 fault_tolerance: "FaultTolerance | None" = None, placement="auto"):
         if runtime not in RUNTIMES:
             raise ConfigError(f"unknown runtime {runtime!r}; choose 'local' (every role in this process) or 'rpc' "
                               f"(roles in worker processes over torch.distributed.rpc)")
@@ -152,12 +156,14 @@ class OverlordLoader:
             extra = dict(n_workers=n_workers, timeout=min(timeout, 60.0), startup_timeout=startup_timeout,
                          constructors=constructors, group=group,
                          address=address, client=rank if address is not None and rank is not None else None,
-                         spares=spares)
+                         spares=spares, placement=placement)
             if fault_tolerance is not None:
                 extra.update(fault_tolerance.job_options())
         elif (n_workers, constructors, group, address, spares, fault_tolerance) != (None, None, None, None, 0, None):
             raise ConfigError("n_workers, constructors, group, address, spares and fault_tolerance are options of "
                               "runtime='rpc'")
+        elif placement != "auto":
+            extra = dict(placement=placement)
         check_clients_cover_mesh(mesh, rank, group)        # no mesh rank left without a trainer process
         self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,
                                       buffer_size=buffer_size, workers=workers, image_token_id=image_token_id,
@@ -400,6 +406,12 @@ class OverlordLoader:
             self.close()
         except Exception:  # noqa: BLE001 (interpreter shutdown)
             pass
+
+    @property
+    def placement(self):
+        """The :class:`~torchdata_overlord.scaling.Placement` the roles were started with (``render()`` says
+        where every actor runs and why), or None (every role in this process, or round robin over ``n_workers``)."""
+        return getattr(self._job, "placement", None)
 
     def stats(self) -> dict:
         """The consumed step; how long ``next()`` waited for data over recent steps (p50/p99/max, ms);

@@ -15,7 +15,7 @@ from .place_tree import ClientPlaceTree
 from .records import BufferMeta
 from .schedules import as_schedule
 
-__all__ = ["mixture_spec"]
+__all__ = ["mixture_spec", "mixture_schedule"]
 
 UNKNOWN = "null"         # the strategy has no mix(), or needs data before it
 
@@ -41,13 +41,20 @@ class _Probe(DGraph):
 def mixture_spec(strategy: Callable, mesh: ClientPlaceTree, sources: Sequence[str], global_batch: int,
                  seed: int) -> str:
     """The spec of the strategy's first mixing schedule at step 0 as canonical JSON, or ``"null"``."""
+    schedule = mixture_schedule(strategy, mesh, sources, global_batch, seed)
+    return UNKNOWN if schedule is None else json.dumps(schedule.spec(), sort_keys=True)
+
+
+def mixture_schedule(strategy: Callable, mesh: ClientPlaceTree, sources: Sequence[str], global_batch: int,
+                     seed: int):
+    """The strategy's first mixing schedule (a :class:`~.schedules.Schedule`), or None when it has no
+    ``mix()`` or needs data before it."""
     ctx = PlanContext(mesh, 0, seed, global_batch)
     graph = _Probe.from_buffers([BufferMeta(name, [], []) for name in sources], ctx)
     try:
         strategy(graph)
     except _Reached as reached:
-        if reached.schedule is not None:
-            return json.dumps(reached.schedule.spec(), sort_keys=True)
+        return reached.schedule
     except Exception:  # noqa: BLE001 (a strategy that needs data before mixing: its mixture is unknown)
         pass
-    return UNKNOWN
+    return None

@@ -129,7 +129,7 @@ class SourceLoader(BaseNode[tuple]):
                 self.exhausted = True
                 log.info("source %r: exhausted after epoch %d", self.name, self.source.epoch - 1)
                 break
-            if self.source.epoch != self.epochs_started[-1]:
+            if self.source.epoch > max(self.epochs_started):     # (a rebuild re-reads epochs already logged)
                 self.epochs_started.append(self.source.epoch)
                 log.info("source %r: starting epoch %d with a new order", self.name, self.source.epoch)
             self._seq += 1

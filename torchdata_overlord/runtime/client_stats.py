@@ -51,6 +51,8 @@ def job_stats(job) -> dict:
             "client": {"client": job.client, "fetches": job.fetches, "faults": copy.deepcopy(job.faults)},
             "constructors": {r: of(r) for r in roles if r.startswith("constructor:")},
             "roles": pids, "processes": procs, "spares": spare_pids, "unanswered": unanswered,
+            "placement": None if getattr(job, "placement", None) is None else job.placement.to_dict(),
+            "loader_parts": dict(info.get("parts", {})),
             "role_recovery": {r: {"actor": a, "pid": pids.get(r), "recoveries": replaced.get(r, 0)}
                               for r, a in roles.items()}}
 

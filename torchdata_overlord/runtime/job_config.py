@@ -133,11 +133,16 @@ class RoleConfig:
     shadows: bool = False                   # a hot-standby Source Loader per source
     in_process: bool = False                # every role in this process: sources used as they are
     actors: Any = 1                         # data-parallel Source Loaders per source (int, or {source: int})
+    plan: Any = None                        # a scaling.Placement: actors, workers and process of every role
 
     def __post_init__(self) -> None:
         self.specs = [LiveSource(s) if self.in_process and not isinstance(s, (SourceSpec, str))
                       else SourceSpec.from_source(s) for s in self.specs]
         self.get = source_settings(self.names)
+        if self.plan is not None:           # the placement's actors, and its workers where none were given
+            self.actors = {n: sp.actors for n, sp in self.plan.sources.items()}
+            if self.workers is None:
+                self.workers = {n: sp.workers for n, sp in self.plan.sources.items()}
         if not isinstance(self.mesh, ClientPlaceTree):
             raise ConfigError(f"mesh must be a ClientPlaceTree, got {type(self.mesh).__name__}")
         if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
@@ -170,8 +175,12 @@ class RoleConfig:
         return role_names(self.parts.keys, self.constructors, self.shadows)
 
     def placement(self, n_workers: int) -> dict[str, int]:
-        """actor -> worker index: role ``j`` (Planner, loaders, constructors, shadows) on worker
-        ``j % n_workers``, except that a shadow never shares its primary's worker when another exists."""
+        """actor -> worker index: the :attr:`plan`'s, else role ``j`` (Planner, loaders, constructors,
+        shadows) on worker ``j % n_workers``, except that a shadow never shares its primary's worker
+        when another exists."""
+        if self.plan is not None:
+            from ..scaling.auto import actor_processes
+            return {a: p % n_workers for a, p in actor_processes(self.plan, self.shadows).items()}
         where = {a: j % n_workers for j, a in enumerate(self.roles)}
         for n in self.parts.keys if self.shadows else []:
             if where[shadow_actor(n)] == where[loader_actor(n)] and n_workers > 1:
@@ -191,7 +200,7 @@ class RoleConfig:
         return None if self.checkpoint_dir is None else CheckpointStore(self.checkpoint_dir)
 
     def loader_args(self, spec: SourceSpec) -> tuple:
-        return (spec, self.get(self.buffer_size, spec.name, self.global_batch), self.get(self.workers, spec.name, 0),
+        return (spec, self.get(self.buffer_size, spec.name, self.global_batch), self.get(self.workers, spec.name, 0) or 0,
                 self.image_token_id, self.timeout)
 
     def policy(self, spares: list) -> FaultPolicy:

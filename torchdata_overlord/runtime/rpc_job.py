@@ -59,13 +59,13 @@ class RpcJob(Job):
 
     def __init__(self, sources: Iterable, strategy: Callable, mesh: ClientPlaceTree, global_batch: int,
                  seq_len: int | None, seed: int = 0, buffer_size: int | Mapping[str, int] | None = None,
-                 workers: int | Mapping[str, int] = 0, image_token_id: int | None = None, pad_id: int = 0,
+                 workers: int | Mapping[str, int] | None = None, image_token_id: int | None = None, pad_id: int = 0,
                  ignore_index: int = -100, n_workers: int | None = None, *, constructors: int | None = None,
                  timeout: float = 60.0, startup_timeout: float = 60.0, stop_timeout: float = 10.0,
                  transport: Transport | None = None, group=None, address: str | None = None,
                  client: int | None = None, spares: int = 0, checkpoint_dir: str | None = None,
                  snapshot_every: int = 10, shadows: bool = False, recovery_timeout: float = 120.0,
-                 actors: int | Mapping[str, int] = 1):
+                 actors: int | Mapping[str, int] = 1, placement="auto"):
         if sum(x is not None for x in (transport, group, address)) > 1:
             raise ConfigError("give at most one of transport=, group= and address=")
         clients = 1
@@ -75,11 +75,16 @@ class RpcJob(Job):
                 raise ConfigError("group= needs torch.distributed initialised (init_process_group) in every trainer")
             self._pg = None if group in (True, "default") else group
             clients = dist.get_world_size(self._pg)
-        cfg = RoleConfig(list(sources), strategy, mesh, global_batch, seq_len, seed, buffer_size, workers,
+        sources = list(sources)
+        plan = self._placement(placement, sources, strategy, mesh, global_batch, seed, constructors, buffer_size,
+                               checkpoint_dir, bool(shadows), n_workers, actors,
+                               starts_roles=transport is None and address is None and self._rank(group) == 0)
+        cfg = RoleConfig(sources, strategy, mesh, global_batch, seq_len, seed, buffer_size, workers,
                          image_token_id, pad_id, ignore_index, constructors, clients, timeout, checkpoint_dir,
-                         snapshot_every, bool(shadows), actors=actors)
+                         snapshot_every, bool(shadows), actors=actors, plan=plan)
+        self.placement = plan
         if n_workers is None:
-            n_workers = cfg.default_workers()
+            n_workers = plan.processes if plan is not None else cfg.default_workers()
         if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
             raise ConfigError(f"n_workers must be an integer >= 1 (or None: see RoleConfig.default_workers), got "
                               f"{n_workers!r}")
@@ -109,6 +114,39 @@ class RpcJob(Job):
             self.close()
             raise
 
+    @staticmethod
+    def _rank(group) -> int:
+        if group is None:
+            return 0
+        import torch.distributed as dist
+        return dist.get_rank(None if group in (True, "default") else group)
+
+    @staticmethod
+    def _placement(placement, sources, strategy, mesh, global_batch, seed, constructors, buffer_size, checkpoint_dir,
+                   shadows, n_workers, actors, starts_roles):
+        """The :class:`~torchdata_overlord.scaling.Placement` this process starts the roles with: the one
+        given, or ``"auto"``'s (measured) when this process starts the roles and neither ``n_workers`` nor
+        ``actors`` overrides it; None: round robin over ``n_workers`` (see ``RoleConfig.placement``)."""
+        from ..scaling import Placement
+        if placement is None or isinstance(placement, Placement):
+            if placement is not None and (n_workers is not None or actors != 1):
+                raise ConfigError("give either placement= (a Placement) or n_workers=/actors=, not both")
+            return placement
+        if placement != "auto":
+            raise ConfigError(f"placement must be 'auto', a torchdata_overlord.scaling.Placement or None (round robin "
+                              f"over n_workers), got {placement!r}")
+        if n_workers is not None or actors != 1 or not starts_roles:
+            return None
+        from ..sources.base import Source
+        if not all(isinstance(s, Source) for s in sources):
+            return None                     # specs or names only: nothing to profile here
+        from .job_config import usable_cores
+        from ..scaling.auto import auto_placement
+        dp = mesh.sizes.get("dp", 1)
+        return auto_placement(sources, strategy, mesh, global_batch, seed, constructors or dp,
+                              cores=max(1, usable_cores() - 1), shadows=shadows, checkpoint_dir=checkpoint_dir,
+                              buffer_size=buffer_size)
+
     def _fit_workers(self) -> None:
         """A job sharing this process's RPC group with another (see rpc_session) places its roles and
         spares on that group's workers."""
@@ -134,7 +172,8 @@ class RpcJob(Job):
             sent = []
 
             def publish(rendezvous):
-                dist.broadcast_object_list([{"rendezvous": rendezvous}], src=src, group=pg)
+                dist.broadcast_object_list([{"rendezvous": rendezvous, "where": self.cfg.placement(self.n_workers)}],
+                                           src=src, group=pg)
                 sent.append(True)
 
             try:
@@ -156,5 +195,5 @@ class RpcJob(Job):
             self.transport = RpcTransport.join(box[0]["rendezvous"], self.client, startup_timeout=startup_timeout,
                                                stop_timeout=stop_timeout)
             self._fit_workers()
-            self.transport.place(self.cfg.placement(self.n_workers))
+            self.transport.place(box[0]["where"])            # rank 0's placement (it may have measured it)
 
