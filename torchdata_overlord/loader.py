@@ -92,7 +92,10 @@ class OverlordLoader:
     actors and transform workers by its share of the mixture's cost, packed into as few processes as
     the cores this process leaves free (see :mod:`torchdata_overlord.scaling`; ``loader.placement.render()``
     says where and why); a :class:`~torchdata_overlord.scaling.Placement` places by hand;
-    ``n_workers=N`` puts one actor per source round robin on N processes, as before; with ``group=`` (a ``torch.distributed``
+    ``n_workers=N`` puts one actor per source round robin on N processes, as before. With a profiled
+    placement, ``autoscale=True`` (default; or a :class:`~torchdata_overlord.scaling.AutoScaler`) lets the
+    Planner add loader actors to a source whose share of the mixture grows and take them back when it
+    falls, resharding its unread row groups live (the batches do not change); with ``group=`` (a ``torch.distributed``
     process group, or ``"default"``) every trainer process of the group is a client and group rank 0
     starts the roles; with ``address="host:port"`` the roles were started by
     ``python -m torchdata_overlord.launch`` and this process joins them as client ``rank``. The
@@ -134,7 +137,7 @@ class OverlordLoader:
                  workers: int | Mapping[str, int] | None = None, image_token_id: int | None = None, pad_id: int = 0,
                  timeout: float = 300.0, startup_timeout: float = 60.0, n_workers: int | None = None,
                  constructors: int | None = None, group=None, address: str | None = None, spares: int = 0,
-                 fault_tolerance: "FaultTolerance | None" = None, placement="auto"):
+                 fault_tolerance: "FaultTolerance | None" = None, placement="auto", autoscale=True):
         if runtime not in RUNTIMES:
             raise ConfigError(f"unknown runtime {runtime!r}; choose 'local' (every role in this process) or 'rpc' "
                               f"(roles in worker processes over torch.distributed.rpc)")
@@ -156,14 +159,14 @@ class OverlordLoader:
             extra = dict(n_workers=n_workers, timeout=min(timeout, 60.0), startup_timeout=startup_timeout,
                          constructors=constructors, group=group,
                          address=address, client=rank if address is not None and rank is not None else None,
-                         spares=spares, placement=placement)
+                         spares=spares, placement=placement, autoscale=autoscale)
             if fault_tolerance is not None:
                 extra.update(fault_tolerance.job_options())
         elif (n_workers, constructors, group, address, spares, fault_tolerance) != (None, None, None, None, 0, None):
             raise ConfigError("n_workers, constructors, group, address, spares and fault_tolerance are options of "
                               "runtime='rpc'")
         elif placement != "auto":
-            extra = dict(placement=placement)
+            extra = dict(placement=placement, autoscale=autoscale)
         check_clients_cover_mesh(mesh, rank, group)        # no mesh rank left without a trainer process
         self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,
                                       buffer_size=buffer_size, workers=workers, image_token_id=image_token_id,

@@ -213,6 +213,7 @@ class SourceLoader(BaseNode[tuple]):
         return sum(record_bytes(entry[0]) for entry in self._buffer.values()) + self.source.buffer_bytes
 
     def close(self) -> None:
+        self._buffer.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

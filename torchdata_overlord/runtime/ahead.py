@@ -27,6 +27,6 @@ class MetadataAhead:
         kept, self.kept = self.kept, None
         have = {}
         if kept is not None and kept[:2] == (gen, step):
-            have = {s: meta for s, (name, meta) in kept[2].items() if self.r.active[s] == name}
+            have = {s: meta for s, (name, meta) in kept[2].items() if self.r.active.get(s) == name}
         missing = [s for s in self.r.keys if s not in have]
         return {**have, **(self.r.each_loader(lambda ref, s: ref.metadata(), step, only=missing) if missing else {})}

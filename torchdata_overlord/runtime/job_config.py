@@ -134,11 +134,20 @@ class RoleConfig:
     in_process: bool = False                # every role in this process: sources used as they are
     actors: Any = 1                         # data-parallel Source Loaders per source (int, or {source: int})
     plan: Any = None                        # a scaling.Placement: actors, workers and process of every role
+    autoscale: Any = None                   # a scaling.AutoScaler (bound to the plan), or None
 
     def __post_init__(self) -> None:
         self.specs = [LiveSource(s) if self.in_process and not isinstance(s, (SourceSpec, str))
                       else SourceSpec.from_source(s) for s in self.specs]
         self.get = source_settings(self.names)
+        if self.autoscale is True:
+            from ..scaling.autoscaler import AutoScaler
+            self.autoscale = AutoScaler()
+        elif self.autoscale is False:
+            self.autoscale = None
+        elif self.autoscale is not None and type(self.autoscale).__name__ != "AutoScaler":
+            raise ConfigError(f"autoscale must be True, False or a torchdata_overlord.scaling.AutoScaler, got "
+                              f"{self.autoscale!r}")
         if self.plan is not None:           # the placement's actors, and its workers where none were given
             self.actors = {n: sp.actors for n, sp in self.plan.sources.items()}
             if self.workers is None:
@@ -234,7 +243,8 @@ def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1, spare
         transport.start_actor(name, factory, *args, worker=where[name])
 
     start(PLANNER, PlannerActor, cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors,
-          cfg.clients, cfg.timeout, peers, policy, cfg.parts.to_dict())
+          cfg.clients, cfg.timeout, peers, policy, cfg.parts.to_dict(),
+          None if cfg.autoscale is None else cfg.autoscale.bind(cfg.plan))
     for key in cfg.parts.keys:
         args = policy.loader_actor_args(cfg.parts.source_of(key), peers, cfg.parts.shard_of(key))
         start(loader_actor(key), LoaderActor, *args)

@@ -28,17 +28,18 @@ class LocalJob(Job):
     int for every source or a ``{source: int}`` dict, so a slow image source gets more workers.
     ``timeout`` bounds each call between roles (a first buffer fill included). ``actors``: data-parallel
     Source Loaders per source (see :mod:`~torchdata_overlord.roles.loader_parts`; the stream is the same);
-    ``placement``: a :class:`~torchdata_overlord.scaling.Placement` whose actors and workers to use.
+    ``placement``: a :class:`~torchdata_overlord.scaling.Placement` whose actors and workers to use;
+    ``autoscale``: resize sources' loader actors as the mixture moves (only with a profiled placement).
     """
 
     def __init__(self, sources: Iterable, strategy: Callable, mesh: ClientPlaceTree, global_batch: int,
                  seq_len: int | None, seed: int = 0, buffer_size: int | Mapping[str, int] | None = None,
                  workers: int | Mapping[str, int] | None = None, image_token_id: int | None = None, pad_id: int = 0,
                  ignore_index: int = -100, *, constructors: int = 1, timeout: float = 300.0,
-                 actors: int | Mapping[str, int] = 1, placement=None):
+                 actors: int | Mapping[str, int] = 1, placement=None, autoscale=True):
         cfg = RoleConfig(list(sources), strategy, mesh, global_batch, seq_len, seed, buffer_size, workers,
                          image_token_id, pad_id, ignore_index, constructors, 1, timeout, in_process=True, actors=actors,
-                         plan=placement)
+                         plan=placement, autoscale=autoscale)
         self.placement = placement
         super().__init__(cfg, timeout=timeout, recovery_timeout=timeout, n_workers=1, spares=0)
         self.transport = InProcessTransport()

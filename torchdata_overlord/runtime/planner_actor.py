@@ -33,6 +33,7 @@ from .ahead import MetadataAhead
 from .recovery import Recovery
 from .refs import PLANNER
 from .releases import Releases
+from .reshard import reshard
 from .role import RoleActor, fail_all
 from .step import JobClosed, JobReset, JobState, plan_step, route
 from .transport import settle
@@ -49,13 +50,15 @@ class PlannerActor(RoleActor):
 
     def __init__(self, strategy: Callable, mesh: ClientPlaceTree, global_batch: int, seed: int, sources: list[str],
                  constructors: int, clients: int, timeout: float, peers, policy: FaultPolicy | None = None,
-                 parts: Mapping[str, int] | None = None):
+                 parts: Mapping[str, int] | None = None, autoscaler=None):
         self.planner = Planner(strategy, mesh, global_batch, seed=seed)
         self.mesh, self.sources, self.n = mesh, list(sources), int(constructors)
         policy = policy or FaultPolicy()
         # the Source Loaders: one per source, or a source's data-parallel parts (merged back here)
         self.parts = Parts(self.sources, parts, {s: args[1] for s, args in policy.loader_args.items()})
         self.owners: dict = {}                         # source -> which part holds each sample of this step
+        self.autoscaler = autoscaler                   # mixture-driven scaling (scaling.AutoScaler), or None
+        self.reshards: list[dict] = []
         self.clients, self.timeout, self.peers = int(clients), float(timeout), peers
         self.name = PLANNER
         self.gen = 0
@@ -191,6 +194,10 @@ class PlannerActor(RoleActor):
         self.planned_steps += 1
         for key in r.keys:
             r.shadows.follow(key, step + 1)
+        if self.autoscaler is not None:
+            counts = {s: len(idx) for s, idx in routes.sampled.items()}
+            for s, (k, workers) in self.autoscaler.observe(step, counts, self.parts.counts).items():
+                self.reshards.append({"step": step + 1, **reshard(self, s, k, workers)})
 
     def _deliveries(self, gen: int, step: int, routes, names: list[str]) -> dict[str, tuple]:
         """Each loader's ``deliver`` arguments: the step's samples it holds, and where each goes."""
@@ -260,7 +267,8 @@ class PlannerActor(RoleActor):
         return {"generation": self.gen, "next_step": self.step, "released_below": self.releases.released,
                 "steps_planned": self.planned_steps, "consumed": dict(self.releases.consumed),
                 "pending_feedback": len(self.feedback), "recoveries": list(self.recovery.events),
-                "roles": self.roles()}
+                "roles": self.roles(), "reshards": list(self.reshards),
+                "autoscaler": None if self.autoscaler is None else self.autoscaler.stats()}
 
     def close(self) -> None:
         """Answer every waiting attach (the leader is leaving: nothing more will be planned)."""

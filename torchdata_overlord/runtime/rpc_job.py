@@ -65,7 +65,7 @@ class RpcJob(Job):
                  transport: Transport | None = None, group=None, address: str | None = None,
                  client: int | None = None, spares: int = 0, checkpoint_dir: str | None = None,
                  snapshot_every: int = 10, shadows: bool = False, recovery_timeout: float = 120.0,
-                 actors: int | Mapping[str, int] = 1, placement="auto"):
+                 actors: int | Mapping[str, int] = 1, placement="auto", autoscale=True):
         if sum(x is not None for x in (transport, group, address)) > 1:
             raise ConfigError("give at most one of transport=, group= and address=")
         clients = 1
@@ -81,7 +81,7 @@ class RpcJob(Job):
                                starts_roles=transport is None and address is None and self._rank(group) == 0)
         cfg = RoleConfig(sources, strategy, mesh, global_batch, seq_len, seed, buffer_size, workers,
                          image_token_id, pad_id, ignore_index, constructors, clients, timeout, checkpoint_dir,
-                         snapshot_every, bool(shadows), actors=actors, plan=plan)
+                         snapshot_every, bool(shadows), actors=actors, plan=plan, autoscale=autoscale)
         self.placement = plan
         if n_workers is None:
             n_workers = plan.processes if plan is not None else cfg.default_workers()

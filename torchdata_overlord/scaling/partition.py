@@ -132,9 +132,11 @@ def auto_partition(profiles: Mapping[str, SourceProfile], weights: Mapping[str, 
     budget = {"cores": cores, "memory_bytes": memory_bytes, "planner_cores": PLANNER_CORES,
               "constructor_cores": constructor_cores, "loader_cores": loader_cores,
               "cpu": PLANNER_CORES + constructors * constructor_cores + sum(a * cpu[n] for n, a in actors.items()),
-              "memory": memory(actors), "workers": sum(a * shape[n][1] for n, a in actors.items())}
+              "memory": memory(actors), "workers": sum(a * shape[n][1] for n, a in actors.items()),
+              "global_batch": global_batch, "buffer_size": buffer_size, "w_src": w_src, "w_actor": w_actor,
+              "cluster_size": cluster_size, "max_processes": max_processes}
     return Placement(placed, n_proc, where[("planner",)], tuple(where["constructor", c] for c in range(constructors)),
-                     shadow_at, budget, "auto", tuple(notes))
+                     shadow_at, budget, "auto", tuple(notes), {n: profiles[n].to_dict() for n in names})
 
 
 def _pack(items: list, n: int) -> tuple[dict, list]:

@@ -61,9 +61,11 @@ class Placement:
     budget: Mapping = field(default_factory=dict)
     method: str = "auto"
     notes: tuple[str, ...] = ()
+    profiles: Mapping[str, dict] = field(default_factory=dict)     # source -> SourceProfile.to_dict() it came from
 
     def __post_init__(self):
-        for name, value in (("sources", self.sources), ("shadows", self.shadows), ("budget", self.budget)):
+        for name, value in (("sources", self.sources), ("shadows", self.shadows), ("budget", self.budget),
+                            ("profiles", self.profiles)):
             object.__setattr__(self, name, MappingProxyType(dict(value)))
         object.__setattr__(self, "constructors", tuple(int(c) for c in self.constructors))
         object.__setattr__(self, "notes", tuple(self.notes))
@@ -119,12 +121,13 @@ class Placement:
                             for n, sp in self.sources.items()},
                 "processes": self.processes, "planner": self.planner, "constructors": list(self.constructors),
                 "shadows": dict(self.shadows), "budget": dict(self.budget), "method": self.method,
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "profiles": {n: dict(p) for n, p in self.profiles.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Placement":
         return cls({n: SourcePlacement(**sp) for n, sp in d["sources"].items()}, d["processes"], d["planner"],
-                   tuple(d["constructors"]), d["shadows"], d["budget"], d["method"], tuple(d["notes"]))
+                   tuple(d["constructors"]), d["shadows"], d["budget"], d["method"], tuple(d["notes"]),
+                   d.get("profiles", {}))
 
     # -- transparency --------------------------------------------------------------------------
     def render(self) -> str:

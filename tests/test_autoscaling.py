@@ -1,0 +1,126 @@
+"""Mixture-driven scaling (paper 5.2): a curriculum moves the mixture from a cheap text source to an
+image source; the Planner adds loader actors to the image source as its share grows (resharding its
+unread row groups live) and the batches stay bit-identical to a run with a fixed placement. Also: a
+resume right after a reshard, and a failed (killed) new loader actor recovered right after one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import torchdata_overlord as ol
+from torchdata_overlord.runtime import faults
+from torchdata_overlord.runtime.inprocess import InProcessTransport
+from torchdata_overlord.runtime.local import LocalJob
+from torchdata_overlord.runtime.rpc_job import RpcJob
+from torchdata_overlord.scaling import AutoScaler, auto_partition, profile_sources
+from torchdata_overlord.sim.corpus import build_demo_corpus
+from torchdata_overlord.testing import assert_identical
+from test_rpc_job import job_kwargs, make_mesh, make_sources
+
+STEPS = 14
+
+
+def curriculum_strategy(g):
+    """Text first, images later: the image source's weight goes from 0.1 to 0.9 over 8 steps."""
+    g = g.mix(ol.Linear({"web": 0.9, "caps": 0.1}, {"web": 0.1, "caps": 0.9}, steps=8))
+    img = g.view("image").distribute("WORLD").cost(ol.encoder_cost).balance("greedy")
+    return (g.view("text").distribute("DP").cost(ol.attention_flops)
+            .balance("greedy", microbatches=2, max_tokens=2048, oversize="split").plan(encoder=img))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return build_demo_corpus(tmp_path_factory.mktemp("corpus"), scale="test", seed=0)
+
+
+@pytest.fixture(scope="module")
+def placement(corpus):
+    """A measured placement on 4 cores where every worker block is an actor of its own (w_actor=1),
+    so a source's growing share shows as more data-parallel actors."""
+    profiles = profile_sources(make_sources(corpus))
+    kw = job_kwargs(corpus)
+    return auto_partition(profiles, {"web": 0.9, "caps": 0.1}, cores=4, memory_bytes=None, constructors=2,
+                          global_batch=kw["global_batch"], w_actor=1)
+
+
+def _scaler():
+    return AutoScaler(interval=2, window=2, patience=1)
+
+
+def _kwargs(corpus):
+    kw = job_kwargs(corpus)
+    kw.pop("workers")                       # the placement's
+    return kw
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, placement):
+    job = LocalJob(make_sources(corpus), curriculum_strategy, make_mesh(), constructors=2, placement=placement,
+                   autoscale=False, **_kwargs(corpus))
+    try:
+        return [job.step().outputs for _ in range(STEPS)]
+    finally:
+        job.close()
+
+
+def test_the_image_source_gains_actors_and_the_batches_do_not_change(corpus, placement, reference):
+    job = LocalJob(make_sources(corpus), curriculum_strategy, make_mesh(), constructors=2, placement=placement,
+                   autoscale=_scaler(), **_kwargs(corpus))
+    try:
+        for k in range(STEPS):
+            assert_identical(job.step().outputs, reference[k])
+        planner = job.stats()["planner"]
+    finally:
+        job.close()
+    grew = [r for r in planner["reshards"] if r["source"] == "caps" and r["to"] > r["from"]]
+    assert grew and all(r["ok"] for r in planner["reshards"]), planner["reshards"]
+    assert placement.sources["caps"].actors < max(r["to"] for r in grew)
+
+
+def test_a_resume_right_after_a_reshard_continues_the_stream(corpus, placement, reference):
+    job = LocalJob(make_sources(corpus), curriculum_strategy, make_mesh(), constructors=2, placement=placement,
+                   autoscale=_scaler(), **_kwargs(corpus))
+    try:
+        at = None
+        for k in range(STEPS):
+            job.step()
+            reshards = job.stats()["planner"]["reshards"]
+            if reshards and at is None:
+                at, state = k + 1, job.state_dict()       # the first step planned by the new actors is next
+                break
+    finally:
+        job.close()
+    assert at is not None, "no reshard happened"
+    for scale in (False, _scaler()):                    # into a fixed placement, and into a scaling one
+        again = LocalJob(make_sources(corpus), curriculum_strategy, make_mesh(), constructors=2, placement=placement,
+                         autoscale=scale, **_kwargs(corpus))
+        try:
+            again.load_state_dict(state)
+            for k in range(at, STEPS):
+                assert_identical(again.step().outputs, reference[k])
+        finally:
+            again.close()
+
+
+def test_a_new_loader_actor_killed_right_after_a_reshard_is_recovered(corpus, placement, reference, tmp_path):
+    t = InProcessTransport()
+    job = RpcJob(make_sources(corpus), curriculum_strategy, make_mesh(), transport=t, spares=1, constructors=2,
+                 checkpoint_dir=str(tmp_path / "ckpt"), snapshot_every=3, timeout=120, placement=placement,
+                 autoscale=_scaler(), **_kwargs(corpus))
+    killed = None
+    try:
+        for k in range(STEPS):
+            assert_identical(job.submit().result(60).outputs, reference[k])
+            loaders = job.stats()["loader_parts"]
+            if killed is None and loaders.get("caps", 1) > placement.sources["caps"].actors:
+                active = job._ask_planner(lambda p: p.roles())["loaders"]
+                key = next(key for key in active if key.startswith("caps@"))
+                killed = active[key]
+                faults.kill_roles(job, [f"loader:{key}"])
+        recoveries = job.stats()["planner"]["recoveries"]
+    finally:
+        job.close()
+        t.stop()
+    assert killed is not None, "no reshard happened"
+    assert any(ev["role"] == killed and ev["kind"] == "loader" for ev in recoveries), recoveries
