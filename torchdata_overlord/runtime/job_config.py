@@ -197,7 +197,8 @@ class RoleConfig:
         return where
 
     def default_workers(self) -> int:
-        """Role worker processes when ``n_workers`` is not given. With fault tolerance (a checkpoint
+        """Role worker processes when neither ``n_workers`` nor a placement is given (``placement=None``,
+        or sources given as specs, which cannot be profiled here). With fault tolerance (a checkpoint
         store or shadows) one per role, so a failure takes one role. Otherwise the roles share the
         cores this process leaves free: at least one process, at most one per role (a process per
         source costs ~40 MiB and an RPC hop each; actors in one process call each other directly)."""
@@ -245,11 +246,14 @@ def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1, spare
     start(PLANNER, PlannerActor, cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors,
           cfg.clients, cfg.timeout, peers, policy, cfg.parts.to_dict(),
           None if cfg.autoscale is None else cfg.autoscale.bind(cfg.plan))
+    loaders = []
     for key in cfg.parts.keys:
         args = policy.loader_actor_args(cfg.parts.source_of(key), peers, cfg.parts.shard_of(key))
-        start(loader_actor(key), LoaderActor, *args)
-        if cfg.shadows:
-            start(shadow_actor(key), LoaderActor, *args)
+        loaders += [(loader_actor(key), args)] + ([(shadow_actor(key), args)] if cfg.shadows else [])
+    # each Source Loader opens its source where it starts (file listing, footers): start them together
+    with cf.ThreadPoolExecutor(min(16, len(loaders)), thread_name_prefix="overlord-start") as pool:
+        for fut in [pool.submit(start, name, LoaderActor, *args) for name, args in loaders]:
+            fut.result()
     for c in range(cfg.constructors):
         start(constructor_actor(c), ConstructorActor, c, *policy.constructor_args, peers, cfg.timeout, store,
               policy.build_thread)
