@@ -104,7 +104,7 @@ def test_a_time_limit_stops_early_but_not_before_a_few_rows(data):
     assert MIN_ROWS <= p.measured_rows < 200
 
 
-def test_failing_rows_are_skipped_and_unreadable_sources_raise(data, tmp_path):
+def test_failing_rows_are_skipped_and_a_read_error_ends_the_profile(data, tmp_path):
     p = profile_source(source(data, FailsOnOdd()), rows=40)
     assert p.measured_rows == 40 and 0 < p.skipped < 40
     assert profile_source(source(data, FailsOnOdd(), on_error="skip"), rows=40).skipped == p.skipped
@@ -113,8 +113,9 @@ def test_failing_rows_are_skipped_and_unreadable_sources_raise(data, tmp_path):
     write(broken / "x.parquet", 0, 60)
     src = ol.ParquetSource("x", str(broken / "*.parquet"), Cheap())
     (broken / "x.parquet").write_bytes(b"not parquet any more")
+    assert profile_source(src).measured_rows == 0      # the profile stops; the source raises when read
     with pytest.raises(ol.SourceReadError, match="x.parquet"):
-        profile_source(src)
+        next(src)
 
 
 def test_a_node_source_is_profiled_but_not_journaled(tmp_path):

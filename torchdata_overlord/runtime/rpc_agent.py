@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -122,6 +123,15 @@ def init_rpc(name: str, rank: int, world_size: int, init_method: str, rpc_timeou
 
 
 _INITS: list[threading.Thread] = []            # init threads of start-ups that gave up (still in torch)
+
+
+@atexit.register
+def _join_gave_up(timeout: float = 15.0) -> None:
+    """At exit, let start-ups that gave up end first: an interpreter finalizing while one is still in
+    ``init_rpc`` aborts the process ("terminate called without an active exception")."""
+    deadline = time.monotonic() + timeout
+    for t in list(_INITS):
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 def start_rpc(name: str, rank: int, world_size: int, init_method: str, startup_timeout: float,

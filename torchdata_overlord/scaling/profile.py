@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import re
 import statistics
 import time
@@ -24,6 +25,8 @@ from ..sources.base import SKIPPED
 from ..sources.parquet import ParquetSource
 
 __all__ = ["SourceProfile", "profile_source", "profile_sources", "source_key", "METHOD_VERSION"]
+
+log = logging.getLogger("torchdata_overlord")
 
 METHOD_VERSION = 1     # bump when what a profile measures changes: older journal entries then miss
 MIN_ROWS = 4           # rows profiled even past the time limit: one row is no median
@@ -105,7 +108,8 @@ def profile_source(source, rows: int = 128, time_limit: float = 2.0) -> SourcePr
     """Read and transform up to ``rows`` rows of ``source`` (stopping after ``time_limit`` seconds once
     :data:`MIN_ROWS` are done), then put it back where it was (its state and ``rows_passed``).
 
-    A row whose transform fails counts as skipped; an error reading the source propagates."""
+    A row whose transform fails counts as skipped; a read error ends the profile (the loader raises it
+    when it reads there)."""
     state, passed = copy.deepcopy(source.state_dict()), source.rows_passed
     counts_decodes = hasattr(source, "reads")            # ParquetSource/FileSource count row-group decodes
     read_plain, plain_calls, read_decode, decodes, group_bytes = 0.0, 0, 0.0, 0, 0
@@ -117,6 +121,9 @@ def profile_source(source, rows: int = 128, time_limit: float = 2.0) -> SourcePr
             try:
                 _, row, where = source.next_raw()
             except StopIteration:
+                break
+            except Exception as e:  # noqa: BLE001 - a read error is the source's to raise when it is read
+                log.debug("source %r: profiling stopped at a read error (%s)", source.name, e)
                 break
             t1 = time.thread_time()
             if counts_decodes and source.reads > reads:
