@@ -146,7 +146,7 @@ def _ft_trainer(rank: int, root: str, out_dir: str, steps: int, kill_at: int) ->
     with ol.OverlordLoader(make_sources(corpus), group_strategy, ol.ClientPlaceTree(dp=2), rank=rank,
                            global_batch=GLOBAL_BATCH, seq_len=None, image_token_id=corpus.image_token_id,
                            runtime="rpc", group="default", prefetch=2, spares=2, fault_tolerance=ft,
-                           timeout=120) as loader:
+                           n_workers=7, timeout=120) as loader:     # a process per role: the kill takes the Planner only
         for i, item in zip(range(steps), loader):
             out["items"].append(item)
             if rank == 0 and i == kill_at:
