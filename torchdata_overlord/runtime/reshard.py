@@ -58,6 +58,8 @@ def reshard(job, source: str, actors: int, workers: int) -> dict:
             args = (base[0], base[1], workers, *base[3:], r.peers, (j, actors))
             r.peers.spawn(name, LoaderActor, args, host)
             started[key] = name
+            if host is not None:            # where it lives, for the clients (stats) and the other roles
+                r.spares.where[name] = host
         futs = [LoaderRef(r.peers, name, r.timeout).new_generation(job.gen, state) for name in started.values()]
         cf.wait(futs, timeout=r.timeout + 5)
         for f in futs:
