@@ -4,6 +4,7 @@ memory pressure, shadows, and the round-robin rule it replaces (checked against 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 from hypothesis import given, settings
@@ -73,6 +74,7 @@ def test_same_inputs_same_placement_and_the_plain_form_round_trips(job):
     p = auto_partition(profiles, weights, **kw)
     assert auto_partition(dict(profiles), dict(weights), **kw) == p
     assert Placement.from_dict(p.to_dict()) == p
+    assert pickle.loads(pickle.dumps(p)) == p        # the rpc runtime sends it to the Planner's process
 
 
 @settings(max_examples=150, deadline=None)
