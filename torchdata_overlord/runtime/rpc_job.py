@@ -101,7 +101,10 @@ class RpcJob(Job):
             elif address is not None:
                 from .rendezvous import join_launched
                 self.client = 0 if client is None else client
-                self.transport = join_launched(address, cfg, self.client, startup_timeout, stop_timeout)
+                self.transport, layout = join_launched(address, cfg, self.client, startup_timeout, stop_timeout)
+                self.n_workers = int(layout.get("role_workers", self.transport.n_workers))
+                self.spares = len(layout.get("spares", []))     # the launcher's: it starts a new Planner there
+                self._host_registry(int(layout["fingerprint"]["clients"]))
             else:
                 from .rpc_transport import RpcTransport
                 self.client = 0
