@@ -192,7 +192,9 @@ class ClientRecovery:
                                   dead)
         except RoleLost as e:
             raise RoleLost(f"{e} ({err})") from err
-        info = PlannerRef(self.transport, name, self.timeout).recover(w, name).result(self.recovery_timeout)
+        # restoring may wait out frozen roles' call timeouts: the call has the recovery's time, not one call's
+        info = PlannerRef(self.transport, name, self.timeout).recover(w, name, timeout=self.recovery_timeout).result(
+            self.recovery_timeout + 5)
         self.planner_name = name
         self.transport.learn(info["where"])
         if self._registry is not None:
