@@ -139,3 +139,19 @@ def test_round_robin_never_puts_a_part_beside_its_own_shadow():
         assert set(keys) == set(cfg.parts.keys)
         for key in keys:
             assert (where[shadow_actor(key)] != where[loader_actor(key)]) or n_workers == 1, (n_workers, key, where)
+
+
+def test_shadows_placed_beside_their_primaries_are_named():
+    """Only a single role process (n_workers=1, or a one-process Placement) puts a shadow beside its
+    primary; RpcJob warns then (the default placement gives the shadows a process of their own)."""
+    mesh = ol.ClientPlaceTree(dp=2)
+    cfg = RoleConfig(["web", "caps"], None, mesh, 8, None, shadows=True)
+    assert cfg.shadows_beside_primaries(1) == ["web", "caps"]
+    assert all(cfg.shadows_beside_primaries(n) == [] for n in range(2, 9))
+    assert RoleConfig(["web", "caps"], None, mesh, 8, None).shadows_beside_primaries(1) == []
+    one = Placement({n: SourcePlacement(n, 1, 0, (0,), -1, "test") for n in ("web", "caps")}, 1, 0, (0, 0),
+                    {"web": 0, "caps": 0}, method="explicit")
+    assert RoleConfig(["web", "caps"], None, mesh, 8, None, shadows=True, plan=one).shadows_beside_primaries(1) == \
+        ["web", "caps"]
+    assert RoleConfig(["web", "caps"], None, mesh, 8, None, shadows=True,
+                      plan=Placement.from_dict(explicit((1, 1), True))).shadows_beside_primaries(2) == []
