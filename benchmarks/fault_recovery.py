@@ -124,6 +124,8 @@ def main(argv=None) -> int:
                        [loader_kill]),
         "shadows_off": (dict(base, sources=many, spares=0, prefetch=2, shadows=False, steps=min(steps, 30)), []),
     }
+    for cfg, _ in scenarios.values():      # one process per role, as above (the default placement packs them)
+        cfg["n_workers"] = 1 + cfg["sources"] + 2 + (cfg["sources"] if cfg.get("shadows", True) else 0)
     print(f"trainer work {args.work_ms if not args.quick else 5:.0f} ms per step ({work} matmul rounds); {steps} steps; "
           f"Planner killed at steps {planner_kills}; {many // 2} of {many} loaders killed at step {loader_kill}", flush=True)
     reps, errors = {}, {}

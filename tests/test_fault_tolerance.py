@@ -69,9 +69,17 @@ def run(corpus, tmp_path, timeout=240, **cfg) -> dict:
     rep = json.loads(out.read_text())
     # nothing is left behind: every role process (replacements, spares, frozen ones) is gone
     pids = [int(p) for p in rep.get("roles", {}).values()] + [int(p) for p in rep.get("spares", [])] + \
-        [e["pid"] for e in rep["events"] if "pid" in e]
+        [e["pid"] for e in rep["events"] if "pid" in e] + \
+        [int(p) for roles in rep.get("roles_at", {}).values() for p in roles.values()]
     assert not [p for p in pids if _alive(p)], rep
     return rep
+
+
+def one_per_role(n_sources: int, shadows: bool = True) -> int:
+    """Role processes for one role each (the Planner, the loaders, 2 constructors, the shadows): the
+    placement the single-role tests below are about (the default packs roles: a killed process takes
+    several, see test_fault_tolerance_packed.py)."""
+    return 1 + n_sources + 2 + (n_sources if shadows else 0)
 
 
 def hows(rep) -> list[str]:
@@ -85,7 +93,7 @@ def test_a_killed_loader_changes_nothing_over_the_next_200_steps(corpus, tmp_pat
     steps = kill + 201
     # the trainer's own work per step (~80 ms of matmuls) is longer than the loader needs, as on a GPU
     rep = run(corpus, tmp_path, steps=steps, prefetch=4, work=240, faults=[{"step": kill, "kill": ["loader:web"]}],
-              state_at=kill + 1)
+              state_at=kill + 1, n_workers=one_per_role(2))
     assert rep["error"] is None
     assert rep["digests"] == reference(corpus, 2, steps)
     assert hows(rep) == ["promoted its shadow"]
@@ -96,7 +104,7 @@ def test_a_killed_loader_changes_nothing_over_the_next_200_steps(corpus, tmp_pat
 
 @pytest.mark.slow
 def test_five_of_ten_loaders_killed_at_once(corpus, tmp_path):
-    rep = run(corpus, tmp_path, sources=10, steps=40, spares=6, prefetch=3,
+    rep = run(corpus, tmp_path, sources=10, steps=40, spares=6, prefetch=3, n_workers=one_per_role(10),
               faults=[{"step": 15, "kill": [f"loader:s{i}" for i in range(5)]}])
     assert rep["error"] is None
     assert rep["digests"] == reference(corpus, 10, 40)
@@ -106,7 +114,8 @@ def test_five_of_ten_loaders_killed_at_once(corpus, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("role", ["planner", "constructor:1"])
 def test_a_killed_planner_or_constructor_changes_nothing(corpus, tmp_path, role):
-    rep = run(corpus, tmp_path, steps=40, prefetch=2, faults=[{"step": 12, "kill": [role]}], state_at=13)
+    rep = run(corpus, tmp_path, steps=40, prefetch=2, faults=[{"step": 12, "kill": [role]}], state_at=13,
+              n_workers=one_per_role(2))
     assert rep["error"] is None
     assert rep["digests"] == reference(corpus, 2, 40)
     kind = role.split(":")[0]
@@ -117,7 +126,8 @@ def test_a_killed_planner_or_constructor_changes_nothing(corpus, tmp_path, role)
 
 @pytest.mark.slow
 def test_a_frozen_loader_is_detected_by_the_timeout_and_replaced(corpus, tmp_path):
-    rep = run(corpus, tmp_path, steps=30, prefetch=3, call_timeout=3, faults=[{"step": 10, "freeze": ["loader:caps"]}])
+    rep = run(corpus, tmp_path, steps=30, prefetch=3, call_timeout=3, faults=[{"step": 10, "freeze": ["loader:caps"]}],
+              n_workers=one_per_role(2))
     assert rep["error"] is None
     assert rep["digests"] == reference(corpus, 2, 30)
     assert hows(rep) == ["promoted its shadow"] and "CallTimeout" in rep["recoveries"][0]["error"]
@@ -127,7 +137,7 @@ def test_a_frozen_loader_is_detected_by_the_timeout_and_replaced(corpus, tmp_pat
 def test_a_corrupt_newest_snapshot_falls_back_to_the_previous_one(corpus, tmp_path):
     # loader and shadow die together: the replacement restores from the differential checkpoint,
     # whose newest snapshot (step 10) is corrupt: the one of step 5 plus a longer replay serves
-    rep = run(corpus, tmp_path, steps=30, snapshot_every=5, prefetch=2,
+    rep = run(corpus, tmp_path, steps=30, snapshot_every=5, prefetch=2, n_workers=one_per_role(2),
               faults=[{"step": 11, "corrupt": ["loader/web"], "kill": ["loader:web", "shadow:web"]}])
     assert rep["error"] is None
     assert rep["digests"] == reference(corpus, 2, 30)
@@ -137,7 +147,7 @@ def test_a_corrupt_newest_snapshot_falls_back_to_the_previous_one(corpus, tmp_pa
 
 @pytest.mark.slow
 def test_loader_and_shadow_lost_without_spares_stops_with_a_named_error(corpus, tmp_path):
-    rep = run(corpus, tmp_path, steps=30, spares=0, prefetch=2,
+    rep = run(corpus, tmp_path, steps=30, spares=0, prefetch=2, n_workers=one_per_role(2),
               faults=[{"step": 8, "kill": ["loader:web", "shadow:web"]}])
     assert rep["error"] is not None and "RoleLost" in rep["error"], rep["error"]
     assert "source 'web'" in rep["error"] and "step" in rep["error"]

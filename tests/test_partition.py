@@ -4,6 +4,7 @@ memory pressure, shadows, and the round-robin rule it replaces (checked against 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 from hypothesis import given, settings
@@ -11,9 +12,11 @@ from hypothesis import strategies as st
 
 import torchdata_overlord as ol
 from torchdata_overlord.errors import ConfigError
+from torchdata_overlord.roles.loader_parts import part_key
 from torchdata_overlord.runtime.job_config import RoleConfig
 from torchdata_overlord.runtime.refs import PLANNER, constructor_actor, loader_actor, shadow_actor
 from torchdata_overlord.scaling import Placement, SourceProfile, auto_partition
+from torchdata_overlord.scaling.auto import actor_processes
 
 MiB = 1 << 20
 
@@ -57,7 +60,9 @@ def test_limits_and_budgets_always_hold(job):
         assert sp.reason and "\n" not in sp.reason
         assert len(sp.processes) == sp.actors and all(0 <= q < p.processes for q in sp.processes)
     cap = kw["max_processes"] or max(1, int(kw["cores"]))
-    assert 1 <= p.processes <= min(cap, 1 + kw["constructors"] + sum(sp.actors for sp in p.sources.values()))
+    packed = min(cap, 1 + kw["constructors"] + sum(sp.actors for sp in p.sources.values()))
+    standby = kw["shadows"] and packed == 1 and kw["max_processes"] != 1     # the shadows' own process
+    assert 1 <= p.processes <= packed + standby
     assert 0 <= p.planner < p.processes and len(p.constructors) == kw["constructors"]
     assert sum(sp.actors * sp.workers for sp in p.sources.values()) <= max(1, int(kw["cores"]))
     if kw["memory_bytes"] is not None and p.budget["memory"] > kw["memory_bytes"]:
@@ -73,6 +78,7 @@ def test_same_inputs_same_placement_and_the_plain_form_round_trips(job):
     p = auto_partition(profiles, weights, **kw)
     assert auto_partition(dict(profiles), dict(weights), **kw) == p
     assert Placement.from_dict(p.to_dict()) == p
+    assert pickle.loads(pickle.dumps(p)) == p        # the rpc runtime sends it to the Planner's process
 
 
 @settings(max_examples=150, deadline=None)
@@ -124,8 +130,30 @@ def test_shadows_never_share_their_primarys_process_when_there_are_two(job):
     assert set(p.shadows) == set(profiles)
     for name, at in p.shadows.items():
         assert 0 <= at < p.processes
-        if p.processes >= 2:
-            assert at != p.sources[name].processes[0]
+        if kw["max_processes"] != 1:          # one role process: the shadows get a standby process
+            assert p.processes >= 2 and at != p.sources[name].processes[0]
+        # every loader part's shadow (as the rpc runtime places them) is outside that part's process
+        where = actor_processes(p, True)
+        for j, q in enumerate(p.sources[name].processes):
+            key = part_key(name, j, p.sources[name].actors)
+            assert where[shadow_actor(key)] != where[loader_actor(key)] or p.processes == 1
+
+
+def test_one_role_process_gives_the_shadows_a_standby_process():
+    """Issue 13: with every role packed in one process (a 2-core machine), a shadow there would die
+    with its primary; the shadows get an idle process of their own instead, and the roles stay packed."""
+    profiles = {n: profile(n, t) for n, t in [("web", 3e-4), ("caps", 8e-3)]}
+    kw = dict(cores=1, memory_bytes=2 << 30, constructors=2, global_batch=8)
+    packed = auto_partition(profiles, {"web": 1, "caps": 1}, **kw)
+    shadowed = auto_partition(profiles, {"web": 1, "caps": 1}, shadows=True, **kw)
+    assert packed.processes == 1 and shadowed.processes == 2
+    assert dict(shadowed.shadows) == {"web": 1, "caps": 1}
+    assert shadowed.planner == 0 and set(shadowed.constructors) == {0}
+    assert all(sp.processes == (0,) for sp in shadowed.sources.values())
+    assert any("standby process" in n for n in shadowed.notes)
+    assert "process 1 (cpu 0.00" in shadowed.render()
+    alone = auto_partition(profiles, {"web": 1, "caps": 1}, shadows=True, max_processes=1, **kw)
+    assert alone.processes == 1 and any("takes both" in n for n in alone.notes)
 
 
 @pytest.mark.parametrize("n_sources, constructors, n_processes, shadows", [

@@ -6,12 +6,18 @@ The config is a Python file whose ``job()`` returns the loader's keyword argumen
 ``seq_len`` and optionally ``seed``, ``buffer_size``, ``workers``, ``image_token_id``, ``pad_id``,
 ``ignore_index``, ``constructors`` (Data Constructors, default one per DP group), ``clients``
 (trainer processes that will connect, default every rank of the mesh) and the fault-tolerance
-settings ``checkpoint_dir``, ``snapshot_every`` and ``shadows`` (a launched job has no spare
-processes yet: a failed loader is replaced by its shadow only). Trainers connect with
+settings ``checkpoint_dir``, ``snapshot_every`` and ``shadows``. Trainers connect with
 ``OverlordLoader(..., runtime="rpc", address="MASTER_ADDR:MASTER_PORT", rank=r)``.
 
 Each node starts ``--workers-per-node`` role worker processes (default: enough for one role per
-process over all nodes); node 0 hosts the rendezvous store (under ``torchrun``, the agent's), checks
+process over all nodes) and, with fault tolerance (a ``checkpoint_dir`` or ``shadows``),
+``--spares-per-node`` idle spare processes (default 1): the roles are placed round robin on the role
+workers (``RoleConfig.placement``), and a failed role is replaced on a spare, whatever node it was on
+(the least-loaded live spare; ties go to the nodes in turn): a loader without a live shadow is
+restored there from the checkpoint, a constructor rebuilt, and a failed Planner is restored there by
+this launcher when trainer 0 asks it. A worker that dies is then the Planner's to replace, not the
+end of the job. Without fault tolerance there are no spares and a dying worker ends the job (below).
+Node 0 hosts the rendezvous store (under ``torchrun``, the agent's), checks
 the configuration before anything starts (port in use, sources that cannot be opened, a role count
 that does not fit the mesh), starts the roles once every member joined, and then watches: the job
 ends normally once every trainer has left (each tells the launcher when its loader closes, on its own
@@ -47,6 +53,7 @@ from .runtime import rpc_leave as L
 from .runtime.rpc_agent import CPP_ERRORS_ONLY, TransportStartupError, set_cpp_log_level
 from .runtime.rendezvous import LAYOUT_KEY, SCHEME, connect_store, host_store, is_loopback
 from .runtime.job_config import RoleConfig, start_roles
+from .runtime.refs import LAUNCHER
 
 log = logging.getLogger("torchdata_overlord.launch")
 JOB_KEYS = ("sources", "strategy", "mesh", "global_batch", "seq_len", "seed", "buffer_size", "workers",
@@ -90,6 +97,9 @@ def parse_args(argv):
     ap.add_argument("--node-rank", type=int, default=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
                     help="this node's rank (default: torchrun's GROUP_RANK, else NODE_RANK, else 0)")
     ap.add_argument("--workers-per-node", type=int, default=None, help="role worker processes on each node")
+    ap.add_argument("--spares-per-node", type=int, default=None,
+                    help="idle spare processes on each node, where failed roles are replaced (default: 1 with fault "
+                         "tolerance, a checkpoint_dir or shadows in the config; 0 without)")
     ap.add_argument("--interface", default=None,
                     help="network interface TensorPipe listens on (default: lo, loopback only, for one node)")
     ap.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for node 0's store")
@@ -120,9 +130,15 @@ class Launcher:
         per = args.workers_per_node or -(-roles // args.nodes)
         if per < 1:
             raise ConfigError(f"--workers-per-node must be >= 1, got {per}")
-        self.n_workers = per * args.nodes
-        self.per_node = per
+        spares = args.spares_per_node
+        if spares is None:
+            spares = 1 if self.fault_tolerant else 0
+        if spares < 0:
+            raise ConfigError(f"--spares-per-node must be >= 0, got {spares}")
+        self.n_workers = per * args.nodes              # the role workers: 0..n_workers-1, node r's from r * per
+        self.per_node, self.spares_per_node = per, spares
         self.procs, self.conns = [], []
+        self.dead_seen: set[str] = set()
         self.store = None
         self.stopping = threading.Event()
 
@@ -130,15 +146,31 @@ class Launcher:
     def address(self) -> str:
         return f"{self.a.master_addr}:{self.a.master_port}"
 
+    @property
+    def fault_tolerant(self) -> bool:
+        """The roles checkpoint or keep shadows: a worker's death is recovered, not the end of the job."""
+        return self.cfg.checkpoint_dir is not None or self.cfg.shadows
+
+    def spare_indices(self, node: int | None = None) -> list[int]:
+        """Worker indices of the spares (after every role worker; node ``r``'s from ``n_workers + r *
+        spares_per_node``): one node's, or every node's in turn (node 0's first, node 1's first, ...,
+        then the second of each), the order the least-loaded choice breaks ties in."""
+        n, s = self.n_workers, self.spares_per_node
+        if node is not None:
+            return [n + node * s + j for j in range(s)]
+        return [n + r * s + j for j in range(s) for r in range(self.a.nodes)]
+
     def layout(self) -> dict:
-        a, n, c = self.a, self.n_workers, self.cfg.clients
+        a, n, c = self.a, self.n_workers + self.spares_per_node * self.a.nodes, self.cfg.clients
         env = {"TP_SOCKET_IFNAME": a.interface, "GLOO_SOCKET_IFNAME": a.interface}
         rendezvous = {"session": uuid.uuid4().hex, "ns": "", "address": self.address,
                       "init_method": f"{SCHEME}://{self.address}", "world_size": n + c + 1,
                       "n_workers": n, "client_ranks": [n + i for i in range(c + 1)],
                       "rpc_timeout": a.rpc_timeout, "env": env if a.interface == "lo" else {}}
-        return {"rendezvous": rendezvous, "placement": self.cfg.placement(n), "fingerprint": self.cfg.fingerprint(),
-                "nodes": a.nodes, "workers_per_node": self.per_node}
+        return {"rendezvous": rendezvous, "placement": self.cfg.placement(self.n_workers),
+                "fingerprint": self.cfg.fingerprint(), "nodes": a.nodes, "workers_per_node": self.per_node,
+                "spares_per_node": self.spares_per_node, "role_workers": self.n_workers,
+                "spares": [W.worker_name(i) for i in self.spare_indices()]}
 
     def start(self) -> dict:
         a = self.a
@@ -151,19 +183,21 @@ class Launcher:
         else:
             self.store = connect_store(a.master_addr, a.master_port, a.connect_timeout)
             layout = json.loads(self.store.get(LAYOUT_KEY))
-            if layout["workers_per_node"] != self.per_node or layout["nodes"] != a.nodes:
-                raise ConfigError(f"node {a.node_rank}: node 0 runs {layout['nodes']} nodes x "
-                                  f"{layout['workers_per_node']} workers, this node was given {a.nodes} x "
-                                  f"{self.per_node}; start every node with the same --nodes and --workers-per-node")
+            theirs = (layout["nodes"], layout["workers_per_node"], layout.get("spares_per_node", 0))
+            if theirs != (a.nodes, self.per_node, self.spares_per_node):
+                raise ConfigError(f"node {a.node_rank}: node 0 runs {theirs[0]} nodes x {theirs[1]} workers and "
+                                  f"{theirs[2]} spares, this node was given {a.nodes} x {self.per_node} and "
+                                  f"{self.spares_per_node}; start every node with the same --nodes, "
+                                  f"--workers-per-node and --spares-per-node")
         from .runtime.rpc_transport import spawn_workers
         rv = layout["rendezvous"]
         first = a.node_rank * self.per_node
+        mine = list(range(first, first + self.per_node)) + self.spare_indices(a.node_rank)
         own = {"TP_SOCKET_IFNAME": a.interface, "GLOO_SOCKET_IFNAME": a.interface}   # this node's network
         os.environ.update(own)
-        self.procs, self.conns = spawn_workers([(W.worker_name(i), i) for i in range(first, first + self.per_node)],
-                                               dict(rv, env=own), a.rpc_timeout)
-        log.info("node %d: started workers %s (pids %s)", a.node_rank, list(range(first, first + self.per_node)),
-                 [p.pid for p in self.procs])
+        self.procs, self.conns = spawn_workers([(W.worker_name(i), i) for i in mine], dict(rv, env=own), a.rpc_timeout)
+        log.info("node %d: started workers %s (pids %s), spares %s", a.node_rank, mine, [p.pid for p in self.procs],
+                 self.spare_indices(a.node_rank))
         return layout
 
     # -- node 0: the roles and the watch ---------------------------------------------------------
@@ -184,12 +218,15 @@ class Launcher:
                 raise
             raise TransportStartupError(
                 f"not every member joined within --join-timeout={self.a.join_timeout:g} s: the job waits for "
-                f"{self.n_workers} role worker(s) and {clients} trainer(s), which connect with "
+                f"{self.n_workers} role worker(s), {self.spares_per_node * self.a.nodes} spare(s) and {clients} "
+                f"trainer(s), which connect with "
                 f"OverlordLoader(..., runtime='rpc', address='{self.address}', rank=r)") from e
         try:
-            start_roles(transport, self.cfg, self.n_workers, warm_timeout=self.a.join_timeout)
-            print(f"torchdata_overlord.launch: roles started on {self.n_workers} workers; trainers connect with "
-                  f"address='{self.address}'", flush=True)
+            spares = [W.worker_name(i) for i in self.spare_indices()]
+            transport.host(LAUNCHER, PlannerStarter(transport, self.cfg, spares))    # trainer 0 asks it
+            start_roles(transport, self.cfg, self.n_workers, spares, warm_timeout=self.a.join_timeout)
+            print(f"torchdata_overlord.launch: roles started on {self.n_workers} workers ({len(spares)} spares); "
+                  f"trainers connect with address='{self.address}'", flush=True)
             reason = self.watch(transport.ns, clients)
             if reason is None:
                 log.info("every trainer left: stopping the roles")
@@ -219,7 +256,7 @@ class Launcher:
         import torch.distributed.rpc as rpc
 
         futs = []
-        for i in range(self.n_workers):
+        for i in range(self.n_workers + self.spares_per_node * self.a.nodes):
             try:
                 futs.append(rpc.rpc_async(W.worker_name(i), W._exit_now, args=(code,), timeout=2))
             except BaseException:            # noqa: BLE001 - already gone
@@ -241,8 +278,9 @@ class Launcher:
             if self.stopping.is_set():
                 return "the launcher was interrupted (Ctrl-C or SIGTERM)"
             dead = [p.name for p in self.procs if not p.is_alive()]
-            if dead:
+            if dead and not self.fault_tolerant:
                 return f"role worker process(es) {dead} died"
+            self.note_dead(dead)
             if time.monotonic() >= next_ping:
                 next_ping = time.monotonic() + self.a.ping_every
                 futs = {c: rpc.rpc_async(W.client_name(c), os.getpid, timeout=max(1.0, self.a.ping_every))
@@ -255,6 +293,14 @@ class Launcher:
                             return f"trainer client {c} died without leaving (unreachable: {str(e).splitlines()[0][:120]})"
         return None
 
+    def note_dead(self, dead: list[str]) -> None:
+        """With fault tolerance a dead worker is the Planner's to replace: say so, once per worker."""
+        new = [d for d in dead if d not in self.dead_seen]
+        if new:
+            self.dead_seen.update(new)
+            log.warning("node %d: role worker process(es) %s died; their roles are replaced on spares",
+                        self.a.node_rank, new)
+
     # -- other nodes: wait for the workers ---------------------------------------------------------
     def run_follower(self) -> int:
         while any(p.is_alive() for p in self.procs):
@@ -262,8 +308,12 @@ class Launcher:
                 return 1
             for p in self.procs:
                 p.join(0.1)
+            if self.fault_tolerant:
+                self.note_dead([p.name for p in self.procs if not p.is_alive()])
         codes = [p.exitcode for p in self.procs]
-        return 0 if all(c == 0 for c in codes) else 1
+        if self.fault_tolerant:         # killed workers were replaced; the others exit as node 0 says
+            codes = [c for c in codes if c is not None and c >= 0]
+        return 0 if codes and all(c == 0 for c in codes) else 1
 
     def close(self) -> None:
         for c in self.conns:                 # EOF on the pipe: each worker exits
@@ -277,6 +327,19 @@ class Launcher:
             if p.is_alive():
                 p.kill()
                 p.join(2)
+
+
+class PlannerStarter:
+    """Hosted by node 0's launcher (actor ``launcher``): starts a replacement Planner on a spare when
+    trainer 0 asks (a trainer of a launched job has neither the strategy nor the sources to start one)."""
+
+    def __init__(self, transport, cfg: RoleConfig, spares: list[str]):
+        self.transport, self.cfg, self.spares = transport, cfg, spares
+
+    def start_planner(self, name: str, dead: list[str]) -> str:
+        """Start Planner ``name`` on the least-loaded live spare, none of ``dead``; its worker."""
+        from .runtime.client_recovery import start_planner
+        return start_planner(self.transport, self.cfg, name, {w: W.worker_index(w) for w in self.spares}, set(dead))
 
 
 def main(argv=None) -> int:

@@ -3,7 +3,8 @@
 A request that fails because a role died or froze (or because the job moved to a new generation
 meanwhile) is asked again once the role is replaced: a Data Constructor by the Planner
 (``report_failure``), the Planner by the leader client (client 0), which starts a new one on a spare
-and tells the other clients through its :class:`PlannerRegistry`.
+(in a launched job it asks the launcher to: :func:`start_planner`) and tells the other clients through
+its :class:`PlannerRegistry`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from ..errors import OverlordError
 from .fault_policy import FAILURES, RoleLost
 from .planner_actor import PlannerActor
 from .recovery_store import PLANNER_KEY
-from .refs import PLANNER, REGISTRY, PlannerRef, RegistryRef
+from .refs import PLANNER, REGISTRY, LauncherRef, PlannerRef, RegistryRef
 from .spares import serving, spare_order
 from .step import JobReset
 from .transport import ActorDied, CallTimeout, settle
 
-__all__ = ["ClientRecovery", "PlannerRegistry", "JobStopped"]
+__all__ = ["ClientRecovery", "PlannerRegistry", "JobStopped", "start_planner"]
 
 RECOVERABLE = (JobReset, ActorDied, CallTimeout)
 
@@ -53,6 +54,32 @@ class PlannerRegistry:
 
         threading.Thread(target=wait, name="overlord-registry-wait", daemon=True).start()
         return out
+
+
+def planner_args(transport, cfg, spares: list) -> tuple:
+    """A :class:`~.planner_actor.PlannerActor`'s arguments for ``cfg``'s job, replacements on ``spares``."""
+    return (cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors, cfg.clients,
+            cfg.timeout, transport.peers(), cfg.policy(spares))
+
+
+def start_planner(transport, cfg, name: str, index: dict[str, int], dead: set[str]) -> str:
+    """Start Planner ``name`` (to be restored from ``cfg``'s store) on the least-loaded live spare of
+    ``index`` (spare worker name -> worker index), none of ``dead`` nor a spare the newest checkpoint
+    says is dead; returns its worker."""
+    spares = list(index)
+    if not spares or cfg.checkpoint_dir is None:
+        raise RoleLost("the Planner failed and cannot be replaced: give the job spares= and checkpoint_dir=")
+    newest = cfg.store().latest(PLANNER_KEY)
+    roles = newest[1]["roles"] if newest is not None else {}
+    dead = set(dead) | set(roles.get("dead_spares", []))
+    for w in spare_order(spares, serving(roles) if roles else {}, dead):      # the least-loaded live spare
+        try:
+            transport.start_actor(name, PlannerActor, *planner_args(transport, cfg, [s for s in spares if s not in dead]),
+                                  worker=index[w])
+            return w
+        except (ActorDied, CallTimeout):
+            dead.add(w)
+    raise RoleLost(f"the Planner failed and no spare process can host a new one (dead: {sorted(dead)})")
 
 
 class ClientRecovery:
@@ -149,40 +176,34 @@ class ClientRecovery:
         return [self.transport.worker_name(self.n_workers + i) for i in range(self.spares)]
 
     def _replace_planner(self, err: BaseException) -> None:
-        spares = self._spare_names()
-        if not spares or self.cfg.checkpoint_dir is None:
-            raise RoleLost(f"the Planner failed ({err}) and cannot be replaced: give the job spares= and "
-                           f"checkpoint_dir=") from err
+        """A new Planner on a spare (a launched job's launcher starts it: it has the job's strategy and
+        sources), restored from the store; the other clients learn it from the registry."""
         self._planners += 1
-        name, index = f"{PLANNER}#{self._planners}", {w: self.n_workers + i for i, w in enumerate(spares)}
+        name = f"{PLANNER}#{self._planners}"
         dead = {self.transport.worker_name(self.transport.worker_of(self.planner_name))}
-        newest = self.cfg.store().latest(PLANNER_KEY)
-        roles = newest[1]["roles"] if newest is not None else {}
-        dead.update(roles.get("dead_spares", []))
-        for w in spare_order(spares, serving(roles) if roles else {}, dead):      # the least-loaded live spare
-            try:
-                self.transport.start_actor(name, PlannerActor, *self._planner_args([s for s in spares if s not in dead]),
-                                           worker=index[w])
-                break
-            except (ActorDied, CallTimeout):
-                dead.add(w)
-        else:
-            raise RoleLost(f"the Planner failed ({err}) and no spare process can host a new one (dead: "
-                           f"{sorted(dead)})") from err
-        info = PlannerRef(self.transport, name, self.timeout).recover(w, name).result(self.recovery_timeout)
+        try:
+            if self._launched:
+                w = LauncherRef(self.transport, self.recovery_timeout).start_planner(name, dead).result(
+                    self.recovery_timeout + 5)
+                self.transport.learn({name: w})
+            else:
+                spares = self._spare_names()
+                w = start_planner(self.transport, self.cfg, name, {s: self.n_workers + i for i, s in enumerate(spares)},
+                                  dead)
+        except RoleLost as e:
+            raise RoleLost(f"{e} ({err})") from err
+        # restoring may wait out frozen roles' call timeouts: the call has the recovery's time, not one call's
+        info = PlannerRef(self.transport, name, self.timeout).recover(w, name, timeout=self.recovery_timeout).result(
+            self.recovery_timeout + 5)
         self.planner_name = name
         self.transport.learn(info["where"])
         if self._registry is not None:
             self._registry.moved(name, w)
 
-    def _planner_args(self, spares: list) -> tuple:
-        cfg = self.cfg
-        return (cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors, cfg.clients,
-                cfg.timeout, self.transport.peers(), cfg.policy(spares))
-
-    def _host_registry(self) -> None:
-        """The leader, in a job with other clients, serves where the Planner is (it may replace it)."""
-        if self.client == 0 and self.cfg.clients > 1:
+    def _host_registry(self, clients: int | None = None) -> None:
+        """The leader, in a job with other clients (``clients``: the job's, where this client's config
+        does not say, as in a launched job's), serves where the Planner is (it may replace it)."""
+        if self.client == 0 and (clients or self.cfg.clients) > 1:
             self._registry = PlannerRegistry(self.planner_name,
                                              self.transport.worker_name(self.transport.worker_of(PLANNER)))
             self.transport.host(REGISTRY, self._registry)

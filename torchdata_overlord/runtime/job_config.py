@@ -196,6 +196,13 @@ class RoleConfig:
                 where[shadow_actor(n)] = (where[loader_actor(n)] + 1) % n_workers
         return where
 
+    def shadows_beside_primaries(self, n_workers: int) -> list[str]:
+        """The loader keys whose shadow :meth:`placement` puts in its primary's worker (only with a
+        single worker, or a given Placement that says so): such a shadow dies with its primary, so it
+        protects against nothing but a failure of the actor alone."""
+        where = self.placement(n_workers) if self.shadows else {}
+        return [k for k in self.parts.keys if self.shadows and where[shadow_actor(k)] == where[loader_actor(k)]]
+
     def default_workers(self) -> int:
         """Role worker processes when neither ``n_workers`` nor a placement is given (``placement=None``,
         or sources given as specs, which cannot be profiled here). With fault tolerance (a checkpoint

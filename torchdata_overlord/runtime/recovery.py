@@ -156,7 +156,8 @@ class Recovery:
             got = self.checkpoints.differential(self.job.parts.source_of(source), version)
             if got is not None:
                 snap_version, snapshot, consumed = got
-                self.loader_ref(name).restore(self.job.gen, snapshot, consumed).result(self.timeout * 4)
+                self.loader_ref(name).restore(self.job.gen, snapshot, consumed, timeout=self.timeout * 4).result(
+                    self.timeout * 4 + 5)         # a replay may take longer than one call's timeout
                 return f"snapshot of step {snap_version} + {len(consumed)} replayed steps"
         if state is None:
             raise RoleLost(f"no checkpoint of source {source!r} at step {version}")
@@ -215,10 +216,12 @@ class Recovery:
             if snap is None:
                 raise RoleLost(f"source {s!r}: no snapshot at or before step {version} to restore from")
             try:
-                loaders[s] = self.loader_ref(self.active[s]).restore(job.gen, snap[1], snap[2]).result(self.timeout * 4)
+                loaders[s] = self.loader_ref(self.active[s]).restore(job.gen, snap[1], snap[2],
+                                                                     timeout=self.timeout * 4).result(self.timeout * 4 + 5)
             except FAILURES as e:         # it failed too: a new one on a spare
                 t1, old, name = time.perf_counter(), self.active[s], self._new_loader(s)
-                loaders[s] = self.loader_ref(name).restore(job.gen, snap[1], snap[2]).result(self.timeout * 4)
+                loaders[s] = self.loader_ref(name).restore(job.gen, snap[1], snap[2], timeout=self.timeout * 4).result(
+                    self.timeout * 4 + 5)
                 self.active[s] = name
                 self.replaced[loader_actor(s)] += 1
                 self._event("loader", old, version, t1, "restored on a spare process with the Planner", e)

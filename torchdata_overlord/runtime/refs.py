@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 
-__all__ = ["PLANNER", "REGISTRY", "loader_actor", "shadow_actor", "constructor_actor", "role_names",
-           "ActorRef", "LoaderRef", "ConstructorRef", "PlannerRef", "RegistryRef"]
+__all__ = ["PLANNER", "REGISTRY", "LAUNCHER", "loader_actor", "shadow_actor", "constructor_actor", "role_names",
+           "ActorRef", "LoaderRef", "ConstructorRef", "PlannerRef", "RegistryRef", "LauncherRef"]
 
 PLANNER = "planner"
 REGISTRY = "planner-registry"            # hosted by the leader client (see client_recovery.PlannerRegistry)
+LAUNCHER = "launcher"                    # hosted by a launched job's node 0 (see launch.PlannerStarter)
 
 
 def loader_actor(name: str) -> str:
@@ -153,3 +154,16 @@ class RegistryRef:
 
     def planner_after(self, old, wait, timeout=None):
         return self.transport.call_client(0, REGISTRY, "planner_after", old, wait, timeout=timeout or self.timeout)
+
+
+class LauncherRef:
+    """A launched job's node-0 launcher (:class:`~torchdata_overlord.launch.PlannerStarter`), the last
+    client of its RPC group."""
+
+    def __init__(self, transport, timeout: float):
+        self.transport, self.timeout = transport, float(timeout)
+
+    def start_planner(self, name, dead, timeout=None):
+        launcher = len(self.transport.rendezvous["client_ranks"]) - 1
+        return self.transport.call_client(launcher, LAUNCHER, "start_planner", name, list(dead),
+                                          timeout=timeout or self.timeout)

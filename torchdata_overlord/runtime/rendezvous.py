@@ -127,7 +127,8 @@ def register() -> None:
 
 
 def join_launched(address: str, cfg, client: int, startup_timeout: float, stop_timeout: float):
-    """Join a launched job as client ``client``: read its layout, check it matches ``cfg``, join RPC."""
+    """Join a launched job as client ``client``: read its layout, check it matches ``cfg``, join RPC.
+    Returns the transport and the layout (its ``role_workers`` and ``spares``)."""
     from .rpc_transport import RpcTransport
 
     host, port = parse_address(address)
@@ -151,4 +152,4 @@ def join_launched(address: str, cfg, client: int, startup_timeout: float, stop_t
     transport = RpcTransport.join(layout["rendezvous"], client, startup_timeout=max(1.0, deadline - time.monotonic()),
                                   stop_timeout=stop_timeout)
     transport.place(layout["placement"])
-    return transport
+    return transport, layout

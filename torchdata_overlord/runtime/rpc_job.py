@@ -30,6 +30,7 @@ worker processes (see :mod:`~torchdata_overlord.runtime.rpc_session`).
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Iterable, Mapping
 
 from ..errors import ConfigError
@@ -41,6 +42,7 @@ from .fault_policy import RoleLost
 from .transport import Transport
 
 __all__ = ["RpcJob", "SourceSpec", "RoleConfig", "start_roles", "JobStopped", "RoleLost", "StepResult"]
+log = logging.getLogger("torchdata_overlord")
 
 
 class RpcJob(Job):
@@ -89,6 +91,11 @@ class RpcJob(Job):
             raise ConfigError(f"n_workers must be an integer >= 1 (or None: see RoleConfig.default_workers), got "
                               f"{n_workers!r}")
         super().__init__(cfg, timeout=timeout, recovery_timeout=recovery_timeout, n_workers=n_workers, spares=spares)
+        together = cfg.shadows_beside_primaries(n_workers) if transport is None and address is None else []
+        if together:
+            log.warning("shadows=True with %s: the shadows of %s are in their primaries' process and die with it; "
+                        "give n_workers >= 2 (or leave placement='auto', which gives the shadows a process of "
+                        "their own)", f"{n_workers} role process" if plan is None else "this placement", together)
         self._own_transport = transport is None
         self._launched = address is not None           # the launcher owns the roles, not client 0
         try:
@@ -101,7 +108,10 @@ class RpcJob(Job):
             elif address is not None:
                 from .rendezvous import join_launched
                 self.client = 0 if client is None else client
-                self.transport = join_launched(address, cfg, self.client, startup_timeout, stop_timeout)
+                self.transport, layout = join_launched(address, cfg, self.client, startup_timeout, stop_timeout)
+                self.n_workers = int(layout.get("role_workers", self.transport.n_workers))
+                self.spares = len(layout.get("spares", []))     # the launcher's: it starts a new Planner there
+                self._host_registry(int(layout["fingerprint"]["clients"]))
             else:
                 from .rpc_transport import RpcTransport
                 self.client = 0

@@ -69,7 +69,8 @@ def auto_partition(profiles: Mapping[str, SourceProfile], weights: Mapping[str, 
     planned = {n: _shape(wanted[n], limit[n], w_actor)[0] for n in names}
 
     # (3) configuration: fewer actors where memory does not hold them (largest row groups first), then
-    # fewer processes; shadows are idle until promoted (then they replace their primary): no CPU, no process
+    # fewer processes; shadows are idle until promoted (then they replace their primary): no CPU, and no
+    # process of their own unless every role is in one (see (4))
     buffer = buffer_size or global_batch
     actor_bytes = {n: profiles[n].group_bytes + buffer * profiles[n].sample_bytes for n in names}
     cap = min(max_processes or max(1, int(cores)), 1 + constructors + sum(planned.values()))
@@ -106,7 +107,20 @@ def auto_partition(profiles: Mapping[str, SourceProfile], weights: Mapping[str, 
     where, load = _pack([(PLANNER_CORES, 0, ("planner",))]
                         + [(cpu[n], actor_bytes[n], ("loader", n, j)) for n in names for j in range(actors[n])]
                         + [(constructor_cores, 0, ("constructor", c)) for c in range(constructors)], n_proc)
-    # a shadow is idle until promoted: spread them, never on the primary's process when another exists
+    # a shadow is idle until promoted: spread them, never on the primary's process. With every role in
+    # one process, the shadows get a standby process of their own (idle: no CPU in the budget, ~40 MiB):
+    # a shadow beside its primary dies with it, protecting against nothing
+    spare_process = shadows and n_proc == 1 and max_processes != 1
+    if spare_process:
+        n_proc += 1
+        load.append(0.0)
+        notes.append("shadows: every role is in one process, so the shadows get a standby process of their own")
+        if memory_bytes is not None and memory(actors) <= memory_bytes < memory(actors) + PROCESS_BYTES:
+            notes.append(f"memory: the shadows' standby process (~{_mib(PROCESS_BYTES)}) goes over the budget of "
+                         f"{_mib(memory_bytes)}")
+    elif shadows and n_proc == 1:
+        notes.append("shadows: max_processes=1 puts each shadow in its primary's process; a process death takes "
+                     "both (the loader is then restored from the checkpoint on a spare)")
     shadow_at, standby = {}, [0] * n_proc
     for n in names if shadows else []:
         mine = {where["loader", n, j] for j in range(actors[n])}
@@ -132,7 +146,7 @@ def auto_partition(profiles: Mapping[str, SourceProfile], weights: Mapping[str, 
     budget = {"cores": cores, "memory_bytes": memory_bytes, "planner_cores": PLANNER_CORES,
               "constructor_cores": constructor_cores, "loader_cores": loader_cores,
               "cpu": PLANNER_CORES + constructors * constructor_cores + sum(a * cpu[n] for n, a in actors.items()),
-              "memory": memory(actors), "workers": sum(a * shape[n][1] for n, a in actors.items()),
+              "memory": memory(actors) + spare_process * PROCESS_BYTES, "workers": sum(a * shape[n][1] for n, a in actors.items()),
               "global_batch": global_batch, "buffer_size": buffer_size, "w_src": w_src, "w_actor": w_actor,
               "cluster_size": cluster_size, "max_processes": max_processes}
     return Placement(placed, n_proc, where[("planner",)], tuple(where["constructor", c] for c in range(constructors)),

@@ -119,6 +119,11 @@ class Placement:
                    method="n_workers")
 
     # -- plain form ----------------------------------------------------------------------------
+    def __reduce__(self):
+        """Pickled as its plain form (its read-only mappings do not pickle): the rpc runtime sends the
+        placement to the Planner's process (``AutoScaler.bind``)."""
+        return Placement.from_dict, (self.to_dict(),)
+
     def to_dict(self) -> dict:
         return {"sources": {n: dataclasses.asdict(sp) | {"processes": list(sp.processes)}
                             for n, sp in self.sources.items()},

@@ -6,10 +6,12 @@ each role process's CPU time and memory. The fault tests and ``benchmarks/fault_
     python -m torchdata_overlord.sim.fault_run CONFIG.json OUT.json
 
 CONFIG: corpus root, number of sources (2: web+caps; 10: partitions of the four corpus sources),
-steps, prefetch, trainer work per step (matmuls, not sleeps), spares, call timeout, and ``faults``:
+steps, prefetch, trainer work per step (matmuls, not sleeps), spares, call timeout, ``n_workers`` or
+``placement`` (a :class:`~torchdata_overlord.scaling.Placement`'s ``to_dict()``; neither: the default,
+``"auto"``), and ``faults``:
 ``[{"step": k, "kill"|"freeze"|"corrupt": [roles or checkpoint keys], "spare": [spare indices]}]``
 applied right after the trainer consumed step k (``skip_missing``: a kill of a role that serves
-nowhere at that moment is reported, not an error).
+nowhere at that moment is reported, not an error); ``roles_at[k]`` is every role's pid just before.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torchdata_overlord as ol
 from torchdata_overlord.runtime import faults
 from torchdata_overlord.runtime.procstats import process_cpu_seconds
 from torchdata_overlord.runtime.transport import ActorDied
+from torchdata_overlord.scaling import Placement
 from torchdata_overlord.sim.corpus import build_demo_corpus
 from torchdata_overlord.sources import ParquetSource
 from torchdata_overlord.transforms import ImageText, Tokenize
@@ -113,14 +116,15 @@ def main(cfg_path: str, out_path: str) -> None:
     ft = ol.FaultTolerance(checkpoint_dir=cfg["ckpt"], shadows=cfg.get("shadows", True),
                            snapshot_every=cfg.get("snapshot_every", 5), call_timeout=cfg.get("call_timeout", 10),
                            recovery_timeout=cfg.get("recovery_timeout", 60))
-    out = {"digests": [], "events": [], "error": None}
+    out = {"digests": [], "events": [], "error": None, "roles_at": {}}
     by_step = {f["step"]: f for f in cfg.get("faults", [])}
     sources = make_sources(corpus, cfg["sources"])
     loader = ol.OverlordLoader(sources, Strategy([s.name for s in sources]), ol.ClientPlaceTree(dp=2), rank=None,
                                global_batch=cfg.get("global_batch", 8), seq_len=None,
                                image_token_id=corpus.image_token_id, runtime="rpc", prefetch=cfg.get("prefetch", 2),
                                spares=cfg.get("spares", 2), fault_tolerance=ft, timeout=120,
-                               n_workers=cfg.get("n_workers"))
+                               n_workers=cfg.get("n_workers"),
+                               placement=Placement.from_dict(cfg["placement"]) if cfg.get("placement") else "auto")
     frozen = []
     t0 = time.monotonic()
     try:
@@ -130,6 +134,7 @@ def main(cfg_path: str, out_path: str) -> None:
                 work(cfg.get("work", 0))
                 f = by_step.get(step)
                 if f:
+                    out["roles_at"][str(step)] = loader.stats()["roles"]
                     for key in f.get("corrupt", []):
                         out["events"].append({"step": step, "corrupted": key,
                                               "version": faults.corrupt_newest(cfg["ckpt"], key)})
@@ -152,6 +157,7 @@ def main(cfg_path: str, out_path: str) -> None:
             out["role_recovery"] = stats.get("role_recovery")
             out["spares"] = stats["spares"]
             out["processes"] = {str(k): v for k, v in stats["processes"].items()}
+            out["placement"] = stats["placement"]
     except Exception as e:                       # noqa: BLE001 - reported to the test
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
