@@ -76,9 +76,6 @@ class Placement:
         if self.processes < 1 or not all(0 <= p < self.processes for p in used):
             raise ConfigError(f"placement puts actors on processes {sorted(set(used))}, not all in 0..{self.processes - 1}")
 
-    def __reduce__(self):                   # read-only mappings do not pickle: travel as the plain form
-        return (_from_dict, (self.to_dict(),))
-
     def actor_count(self) -> int:
         """Every actor the placement starts: the Planner, the loader actors, the constructors, the shadows."""
         return 1 + sum(sp.actors for sp in self.sources.values()) + len(self.constructors) + len(self.shadows)
@@ -173,10 +170,6 @@ class Placement:
                          f"{b['cores']:g} cores, memory {_bytes(b['memory'])} of {_bytes(b['memory_bytes'])}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
-
-
-def _from_dict(d: dict) -> Placement:
-    return Placement.from_dict(d)
 
 
 def plural(k: int, what: str) -> str:
