@@ -24,15 +24,18 @@ __all__ = ["reshard"]
 log = logging.getLogger("torchdata_overlord")
 
 
-def _hosts(r, count: int) -> list:
+def _hosts(r, count: int, retiring: list[str]) -> list:
     """A role process for each of ``count`` new actors: the job's processes hosting the fewest loaders
-    first (spares are kept for replacements). None where actors are not placed (one process)."""
+    (not counting the ``retiring`` ones) first; spares are kept for replacements. None where actors
+    are not placed (one process)."""
     placement = getattr(r.peers, "placement", None)
     if not placement:
         return [None] * count
     spares = set(r.policy.spares)
     load = {w: 0 for w in sorted(set(placement.values()) - spares)}
     for key, name in r.active.items():
+        if key in retiring:
+            continue
         w = placement.get(name)
         if w in load:
             load[w] += 1
@@ -53,7 +56,7 @@ def reshard(job, source: str, actors: int, workers: int) -> dict:
     base = r.policy.loader_args[source]
     started = {}
     try:
-        for j, (key, host) in enumerate(zip(parts.by_source[source], _hosts(r, actors))):
+        for j, (key, host) in enumerate(zip(parts.by_source[source], _hosts(r, actors, old))):
             name = r.new_name(loader_actor(key))
             args = (base[0], base[1], workers, *base[3:], r.peers, (j, actors))
             r.peers.spawn(name, LoaderActor, args, host)
