@@ -47,9 +47,10 @@ batch / model step samples/s and every wait shows as a lower rate. Every ``stats
 thread of the trainer's asks the Planner for each source's loader actors (its ``roles()``, where
 ``stats()["loader_parts"]`` comes from: a full ``stats()`` asks every role and holds the loader's lock
 meanwhile, so the producer could not submit). Global batch 24 and a 250 ms model step (96 samples/s):
-at the start mixture about 0.7 core of this machine's work, which every placement feeds; at the end
-mixture the image alone needs about one core of decoding, more than the single image thread of the
-start placement can get, within what three threads can on an idle machine.
+at the start mixture well under a core of this machine's work, which every placement feeds; at the end
+mixture the image alone needs about one core of reading and decoding, all that the single image
+thread of the start placement can use: it keeps up only while it gets a core to itself, where three
+image threads have headroom (and a larger share of a contended machine).
 
 Measured per run (each run its own process: RPC starts once per process and each run starts from the
 same footprint): samples/s over the run, over the ramp, over the held end mixture and per window of
