@@ -10,7 +10,7 @@ the same text, 20 row groups; ``image``, captioned JPEGs drawn with pillow, side
 (torchvision) and resizes (antialiased) to at most 224 px in whole 14 px patches, 48 row groups of 16,
 so the source splits into several data-parallel loader actors. The image is the expensive source: its
 read and transform cost about six times the text's per sample (the profiles, measured before the runs
-and journaled under ``$TORCHDATA_OVERLORD_CACHE``, are in the JSON). Smaller JPEGs (256-512 px) decode
+and journaled beside the corpus, are in the JSON). Smaller JPEGs (256-512 px) decode
 in ~1 ms here, less than the runtime's own per-sample cost, and a placement could not matter.
 
 Strategy (:class:`Curriculum`, module level: it pickles to the role processes): ``mix(Linear({"text":
@@ -159,7 +159,7 @@ def build_corpus(root: Path, spec: dict, seed: int = 0) -> dict:
         pass
     if root.exists():
         foreign = [p.name for p in root.iterdir() if p.name not in {"manifest.json", "tokenizer.model",
-                                                                     "tokenizer.vocab", "web", "caps"}]
+                                                                     "tokenizer.vocab", "web", "caps", "profiles"}]
         if foreign:
             raise RuntimeError(f"{root} holds files this benchmark did not write ({foreign[:3]}); pass another --root")
     t0 = time.perf_counter()
@@ -223,11 +223,12 @@ def make_sources(corpus: dict, seed: int = 0) -> list:
 
 
 def placements(corpus: dict, cores: float, global_batch: int) -> tuple[dict, dict, dict]:
-    """The sources' profiles (journaled under the cache folder) and the placements sized for the start
-    and for the end weights, on the same budget."""
-    from torchdata_overlord.scaling import ProfileJournal, auto_partition, default_journal_dir, profile_sources
+    """The sources' profiles and the placements sized for the start and for the end weights, on the same
+    budget. The profiles are journaled beside the corpus: the journal keeps one entry per source name,
+    and the quick and full corpora name their sources alike."""
+    from torchdata_overlord.scaling import ProfileJournal, auto_partition, profile_sources
 
-    profiles = profile_sources(make_sources(corpus), ProfileJournal(default_journal_dir()))
+    profiles = profile_sources(make_sources(corpus), ProfileJournal(Path(corpus["root"]) / "profiles"))
     kw = dict(cores=cores, memory_bytes=None, constructors=MESH["dp"], global_batch=global_batch, w_actor=1)
     start, worst = auto_partition(profiles, START, **kw), auto_partition(profiles, END, **kw)
     return {n: p.to_dict() for n, p in profiles.items()}, start.to_dict(), worst.to_dict()
