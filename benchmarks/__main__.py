@@ -5,7 +5,7 @@ regenerates the README's results block from ``benchmarks/results/*.json``. ``--q
 script's CI smoke size and writes its JSON under a temporary folder instead (the README keeps the
 full figures). Exits non-zero if any script failed; ``--only`` picks scripts by name.
 
-    python -m benchmarks                # every figure (~20 minutes on 2 cores)
+    python -m benchmarks                # every figure (~30 minutes on 2 cores)
     python -m benchmarks --quick        # smoke: does everything still run?
     python -m benchmarks --only balance mixing_accuracy
 """
@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["plan_speed", "balance", "mixing_accuracy", "e2e_throughput", "runtimes", "fault_recovery", "memory"]
+SCRIPTS = ["plan_speed", "balance", "mixing_accuracy", "e2e_throughput", "runtimes", "fault_recovery", "memory",
+           "autoscaling"]
 
 
 def main(argv=None) -> int:

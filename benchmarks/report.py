@@ -305,9 +305,58 @@ def memory_table(data: dict) -> list[str]:
     return lines
 
 
+def autoscaling_table(data: dict) -> list[str]:
+    m, c, prof = data["machine"], data["config"], data["profiles"]
+    labels, res = data["labels"], data["results"]
+    pl = {k: {n: sp["actors"] for n, sp in v["sources"].items()} for k, v in data["placements"].items()}
+    same = data["identical_batches"]
+    lines = [f"**Mixture-driven scaling** (`python benchmarks/autoscaling.py`, {data['date']}, {m['cores']} cores, "
+             f"{m['memory_gib']} GiB): a curriculum from text {c['start']['text']} / image {c['start']['image']} to "
+             f"text {c['end']['text']} / image {c['end']['image']} over {c['ramp']} steps, then {c['hold']} steps "
+             f"held; `OverlordLoader(runtime=\"rpc\", prefetch=2)`, global batch {c['global_batch']} on DP="
+             f"{c['mesh']['dp']}, the trainer sleeping a {c['model_ms']:.0f} ms model step after each `next()` "
+             f"(bound: {c['global_batch'] / c['model_ms'] * 1e3:.0f} samples/s). Text: Tokenize, "
+             f"{1e3 * prof['text']['transform_s']:.2f} ms + {1e3 * prof['text']['read_s']:.2f} ms read per sample; "
+             f"image: JPEGs of {data['corpus']['image_side_px']['min']}-{data['corpus']['image_side_px']['max']} px "
+             f"decoded and resized to <= {c['max_side']} px by ImageText, {1e3 * prof['image']['transform_s']:.2f} ms "
+             f"+ {1e3 * prof['image']['read_s']:.2f} ms read, {prof['image']['units']} row groups. One partition "
+             f"budget of {c['cores']:g} cores with one actor per worker block: sized for the start, text x "
+             f"{pl['start']['text']} / image x {pl['start']['image']} loader actors; for the worst case, text x "
+             f"{pl['worst']['text']} / image x {pl['worst']['image']}. Figures after {c['warmup']} warm-up steps; a "
+             f"stall is a `next()` that waited > {c['stall_ms']:g} ms; CPU-s: every process of the run from before "
+             f"the loader to the last step; PSS: anonymous, summed over the processes, the trainer's imports "
+             f"excluded. Runs in the order {', '.join(data['order'])}. Plot: `benchmarks/results/autoscaling.png`.",
+             "", "| configuration | round | samples/s (ramp / held end) | stall steps (ramp + hold) | mean / max wait "
+                 "(ms) | CPU-s | PSS peak / steady (MiB) | image actors (start -> most -> end) | reshards |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, runs in res.items():
+        for r in runs:
+            im = r["actors"]["image"]
+            lines.append(f"| {labels[name]} | {r['round']} | {r['samples_per_s']:.1f} ({r['samples_per_s_ramp']:.1f} / "
+                         f"{r['samples_per_s_hold']:.1f}) | {r['stall_steps']} "
+                         f"({r['stall_steps_ramp']} + {r['stall_steps_hold']}) | {r['wait_mean_ms']:.1f} / "
+                         f"{r['wait_max_ms']:,.0f} | {r['cpu_s']:.1f} | {r['pss_mib']['peak']:,.0f} / "
+                         f"{r['pss_mib']['steady']:,.0f} | {im[0]} -> {max(im)} -> {im[-1]} | {len(r['reshards'])} |")
+    lines.append("")
+    lines.append(f"- Batches: {'identical' if same.get('identical') else 'NOT identical'} at every step of all "
+                 f"{same.get('runs_compared')} runs (blake2b of every tensor of every rank's batch)"
+                 + ("." if same.get("identical") else f": {same.get('first_differences')}."))
+    for r in res.get("autoscale", []):
+        moves = "; ".join(f"{x['source']} {x['from']} -> {x['to']} at step {x['step']} (in {x['seconds']:.2f} s; "
+                          f"longest wait within 2 steps {x['longest_wait_near_ms']:,.0f} ms)" for x in r["reshards"])
+        worst = max(range(len(r["waits_ms"])), key=lambda i: r["waits_ms"][i])
+        lines.append(f"- Autoscaling, round {r['round']}: reshards {moves or 'none'}; the run's longest wait "
+                     f"{r['waits_ms'][worst]:,.0f} ms at step {worst}.")
+    notes = data.get("notes") or []
+    lines += [f"- {n}" for n in notes]
+    lines.append(f"- 1-minute load {m.get('load_avg_1m_at_start', '?')} at the start, {m['load_avg_1m']} at the end: "
+                 f"the {m['cores']} cores were shared with other jobs, so the rates move between rounds.")
+    return lines
+
+
 TABLES = [("plan_speed", plan_speed_table), ("e2e_throughput", e2e_throughput_table), ("runtimes", runtimes_table),
           ("balance", balance_table), ("mixing_accuracy", mixing_table), ("fault_recovery", fault_recovery_table),
-          ("memory", memory_table)]
+          ("memory", memory_table), ("autoscaling", autoscaling_table)]
 
 
 def render() -> str:

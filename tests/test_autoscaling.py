@@ -124,3 +124,17 @@ def test_a_new_loader_actor_killed_right_after_a_reshard_is_recovered(corpus, pl
         t.stop()
     assert killed is not None, "no reshard happened"
     assert any(ev["role"] == killed and ev["kind"] == "loader" for ev in recoveries), recoveries
+
+
+def test_a_bound_scaler_pickles_with_its_placement(placement):
+    """The rpc runtime sends the bound scaler to the Planner's process: a Placement's read-only
+    mappings must not stop it (they travel as the plain form)."""
+    import pickle
+
+    bound = AutoScaler(interval=3, window=4, patience=2).bind(placement)
+    again = pickle.loads(pickle.dumps(bound))
+    assert again.active and again.placement == placement and again.placement.to_dict() == placement.to_dict()
+    assert (again.interval, again.window, again.patience) == (3, 4, 2) and again.history.maxlen == 4
+    shares = {"web": 0.2, "caps": 0.8}
+    assert again._partition(shares) == bound._partition(shares)
+    assert pickle.loads(pickle.dumps(AutoScaler().bind(None))).active is False
