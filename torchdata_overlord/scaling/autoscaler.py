@@ -54,19 +54,6 @@ class AutoScaler:
         return AutoScaler(self.interval, self.window, self.patience, self.max_actors,
                           placement if placement is not None and placement.profiles else None)
 
-    def __getstate__(self) -> dict:
-        """The scaler travels to the Planner's process: its bound :class:`~.placement.Placement` (whose
-        read-only mappings do not pickle) goes as its plain form."""
-        state = dict(self.__dict__)
-        if state.get("placement") is not None:
-            state["placement"] = state["placement"].to_dict()
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        if isinstance(state.get("placement"), dict):
-            state = {**state, "placement": Placement.from_dict(state["placement"])}
-        self.__dict__.update(state)
-
     @property
     def active(self) -> bool:
         return self.placement is not None
