@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["plan_speed", "balance", "mixing_accuracy", "e2e_throughput", "runtimes", "fault_recovery", "memory"]
+SCRIPTS = ["plan_speed", "balance", "mixing_accuracy", "e2e_throughput", "runtimes", "fault_recovery", "memory", "startup"]
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import pickle
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -47,18 +48,20 @@ def data(tmp_path) -> str:
 
 
 class Counting(ParquetSource):
-    """Records every file whose footer it reads."""
+    """Records every file whose footer it reads, and the threads that read them."""
 
     opened: list = []
+    threads: set = set()
 
     def _open_file(self, fs, path, shown):
         Counting.opened.append(Path(shown).name)
+        Counting.threads.add(threading.current_thread().name.rsplit("_", 1)[0])
         return super()._open_file(fs, path, shown)
 
 
 @pytest.fixture
 def counting():
-    Counting.opened = []
+    Counting.opened, Counting.threads = [], set()
     return Counting
 
 
@@ -304,3 +307,30 @@ def test_text_files_row_counts_are_journaled_too(tmp_path):
     assert [r["id"] for _, r in take(third, 19)][5:12] == [100, 101, 102, 103, 104, 105, 199]
     again = rebuild(third)
     assert CountingText.parsed == ["p1.jsonl"] and again.format is None and again.num_rows == 19
+
+
+# ---- footers on a non-local filesystem: read on a thread pool ---------------------------------
+
+def test_footers_on_a_non_local_filesystem_are_read_in_parallel_with_the_same_results(data, tmp_path, counting):
+    fsspec = pytest.importorskip("fsspec")
+    d = tmp_path / "data"
+    remote = pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("file")))       # not "local"
+    scheme = remote.type_name + "://"
+    local = counting("s", data, seed=6, metadata_cache=False)
+    assert counting.threads == {"MainThread"}                       # local files: one after another
+    counting.opened, counting.threads = [], set()
+    src = counting("s", data, seed=6, filesystem=remote, metadata_cache=False)
+    assert sorted(counting.opened) == [n for n, _, _ in LAYOUT] and counting.threads == {"overlord-open"}
+    assert src.files == [scheme + f for f in local.files] and take(src, 2 * N) == take(local, 2 * N)
+    again = rebuild(src)
+    assert again.metadata_reads == 0 and take(again, N) == take(src, N)
+    # the same errors, in file order: a corrupt file and one without the projected column
+    (d / "b.parquet").write_bytes(b"garbage")
+    pq.write_table(pa.table({"other": [1, 2]}), d / "c.parquet")
+    with pytest.raises(ConfigError, match=r"fsspec.*b\.parquet: not a readable Parquet file"):
+        ParquetSource("s", data, columns=["gid"], filesystem=remote, metadata_cache=False)
+    skip = ParquetSource("s", data, columns=["gid"], filesystem=remote, on_error="skip", metadata_cache=False)
+    assert [(s["file"].rsplit("/", 1)[1], s["error"].split(":")[0]) for s in skip.skipped] == [
+        ("b.parquet", "ConfigError"), ("c.parquet", "ConfigError")]
+    assert "has no column(s) ['gid']" in skip.skipped[1]["error"]
+    assert skip.num_rows == 23 + 11 and skip.files == [scheme + str(d / n) for n in ("a.parquet", "d.parquet")]

@@ -29,6 +29,7 @@ import operator
 import os
 import re
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -230,6 +231,7 @@ class ParquetSource:
     """
 
     FORMAT = "Parquet"
+    OPEN_THREADS = min(32, 4 * (os.cpu_count() or 1))    # threads reading footers on a non-local filesystem
 
     def __init__(self, name: str, paths, transform: Callable[[dict], Any] | None = None, columns=None,
                  shuffle: bool = True, seed: int = 0, epochs: int | None = None, on_error: str = "raise",
@@ -270,7 +272,7 @@ class ParquetSource:
 
     def _open_file(self, fs: pafs.FileSystem, path: str, shown: str) -> tuple[tuple, list[str]]:
         """One file's row-group sizes and column names (its Parquet footer); ConfigError naming it if
-        unreadable. Runs on the opening threads (see :meth:`_open_all`)."""
+        unreadable. May run on several threads at once (see :meth:`_read_metas`)."""
         return _open_meta(fs, path, shown)
 
     def _journal_kind(self) -> str:
@@ -390,18 +392,28 @@ class ParquetSource:
 
     def _read_metas(self, listing: _Listing, todo: list[int]) -> list:
         """:meth:`_open_file` of the files at ``todo``, in order: ``(groups, names)`` or the ConfigError it
-        raised. Under on_error="raise" reading stops at the first error (None for the files after it)."""
-        out: list = [None] * len(todo)
-        for k, i in enumerate(todo):
-            fs = listing.filesystems[listing.fs_index[i]]
-            shown = listing.shown[i]
+        raised (None: not read). Files on a local filesystem are read one after another (a footer read
+        there costs the GIL-bound Python around it, so threads do not help), stopping at the first
+        error under on_error="raise"; files on other filesystems (object stores: a round trip per file)
+        on a pool of up to :attr:`OPEN_THREADS` threads."""
+        def one(i):
+            fs, shown = listing.filesystems[listing.fs_index[i]], listing.shown[i]
             path = shown if fs.type_name == "local" else shown[len(fs.type_name) + 3:]
             try:
-                out[k] = self._open_file(fs, path, shown)
+                return self._open_file(fs, path, shown)
             except ConfigError as e:
-                out[k] = e
-                if self.on_error == "raise":
-                    break
+                return e
+
+        remote = [i for i in todo if listing.filesystems[listing.fs_index[i]].type_name != "local"]
+        got = {}
+        if len(remote) > 1:
+            with ThreadPoolExecutor(min(self.OPEN_THREADS, len(remote)), thread_name_prefix="overlord-open") as pool:
+                got = dict(zip(remote, pool.map(one, remote)))
+        out: list = [None] * len(todo)
+        for k, i in enumerate(todo):
+            out[k] = got[i] if i in got else one(i)
+            if isinstance(out[k], ConfigError) and self.on_error == "raise":
+                break
         return out
 
     def _columns_fix(self, missing: list[str]) -> str:
