@@ -134,6 +134,9 @@ def _resolve(name: str, paths, filesystem) -> _Listing:
             filesystems.append(fs)
             k = len(filesystems) - 1
         scheme = "" if fs.type_name == "local" else f"{fs.type_name}://"
+        if len(entries) == 1:                  # one entry: its matches are sorted and distinct already
+            return _Listing(filesystems, [0] * len(matches), [scheme + p for p, _, _ in matches],
+                            [z or 0 for _, z, _ in matches], [-1 if t is None else t for _, _, t in matches])
         for path, size, mtime in matches:
             found[scheme + path] = (k, size or 0, -1 if mtime is None else mtime)
     shown = sorted(found)
@@ -506,6 +509,8 @@ class ParquetSource:
             if fp.get(k) != mine[k]:
                 raise ConfigError(f"source {self.name!r}: state was taken with {k}={fp.get(k)!r}, this source "
                                   f"has {k}={mine[k]!r}; restore with the same configuration")
+        if fp.get("files") == mine["files"]:            # the usual case, compared without copying 100,000s
+            return
         theirs = [list(x) for x in fp.get("files") or []]
         ours = [list(x) for x in mine["files"]]
         if theirs != ours:
