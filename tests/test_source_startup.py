@@ -147,6 +147,22 @@ def test_another_file_set_has_its_own_journal(data, tmp_path, counting):
     assert len(journals(cache)) == 3
 
 
+def test_a_folder_that_gains_or_loses_files_starts_from_its_previous_journal(data, tmp_path, counting):
+    cache = tmp_path / "cache"
+    counting("s", data, metadata_cache=str(cache))
+    write(tmp_path / "data" / "e.parquet", range(500, 510), 5)
+    counting.opened = []
+    grown = counting("s", data, metadata_cache=str(cache))
+    assert counting.opened == ["e.parquet"] and grown.num_rows == N + 10
+    assert len(journals(cache)) == 1                       # the new file set's journal replaced the old one
+    (tmp_path / "data" / "a.parquet").unlink()
+    counting.opened = []
+    shrunk = counting("s", data, metadata_cache=str(cache))
+    assert counting.opened == [] and shrunk.num_rows == N + 10 - 23 and len(journals(cache)) == 1
+    assert take(shrunk, 2 * shrunk.num_rows) == take(ParquetSource("s", data, metadata_cache=False),
+                                                      2 * shrunk.num_rows)
+
+
 @pytest.mark.parametrize("damage", [b"\x00garbage", b'{"version": 1, "kind": "parquet", "prefix": "/x"',
                                     b'{"version": 1, "kind": "parquet", "prefix": "", "tails": ["a"], "size": [1], '
                                     b'"mtime": [1], "ngroups": [2], "groups": [1], "schema": [0], "schemas": [["x"]]}',

@@ -10,9 +10,11 @@ rebuilt there neither lists a directory nor opens a file until it reads one.
 Where: a source's ``metadata_cache=`` (a directory; False: no journal); by default the
 ``metadata`` folder of ``$TORCHDATA_OVERLORD_CACHE``, else of ``$XDG_CACHE_HOME/torchdata_overlord``,
 else of ``~/.cache/torchdata_overlord``. One JSON file per file set, named by a hash of the reader
-kind and the sorted shown paths, replaced atomically (temporary file + ``os.replace``). A journal
-that cannot be read or parsed is ignored and rewritten; a directory that cannot be written means no
-journal (logged once, at debug level).
+kind and the sorted shown paths, replaced atomically (temporary file + ``os.replace``); beside it,
+per source path entries (a glob, a folder: what ``paths`` resolved to), the name of the journal last
+written for them, so a folder that gained or lost files starts from its previous journal (which the
+new one then replaces). A journal that cannot be read or parsed is ignored and rewritten; a
+directory that cannot be written means no journal (logged once, at debug level).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["FileTable", "cache_dir", "journal_path", "load_journal", "save_journal"]
+__all__ = ["FileTable", "cache_dir", "journal_path", "pointer_path", "load_journal", "save_journal"]
 
 log = logging.getLogger("torchdata_overlord")
 
@@ -160,12 +162,21 @@ def cache_dir(setting) -> str | None:
 
 def journal_path(directory: str, kind: str, shown: Sequence[str]) -> str:
     """The journal of this reader kind and file set (sorted shown paths) in ``directory``."""
-    h = hashlib.sha256(kind.encode() + b"\0" + "\0".join(shown).encode("utf-8", "surrogateescape"))
-    return os.path.join(directory, f"{h.hexdigest()[:32]}.json")
+    return os.path.join(directory, f"{_digest(kind, shown)}.json")
 
 
-def load_journal(path: str, kind: str) -> FileTable | None:
-    """The table stored at ``path`` for reader ``kind``; None if absent, unreadable or malformed."""
+def pointer_path(directory: str, kind: str, entries: Sequence[str]) -> str:
+    """Where the name of the journal last written for these path entries (globs, folders, files as
+    resolved) is kept: a file set that grew or shrank starts from it instead of from nothing."""
+    return os.path.join(directory, f"{_digest(kind, entries)}.last")
+
+
+def _digest(kind: str, strings: Sequence[str]) -> str:
+    data = kind.encode() + b"\0" + "\0".join(strings).encode("utf-8", "surrogateescape")
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _read(path: str, kind: str) -> FileTable | None:
     try:
         with open(path, "rb") as f:
             c = json.loads(f.read())
@@ -179,25 +190,61 @@ def load_journal(path: str, kind: str) -> FileTable | None:
         return None
 
 
-def save_journal(path: str, kind: str, table: FileTable) -> bool:
-    """Write ``table`` to ``path`` atomically; False (logged once per folder, debug) if it cannot be written."""
+def load_journal(path: str, kind: str, pointer: str | None = None) -> FileTable | None:
+    """The table stored at ``path`` for reader ``kind``, else the one ``pointer`` names (the journal
+    last written for the same path entries); None if absent, unreadable or malformed."""
+    table = _read(path, kind)
+    if table is None and pointer is not None:
+        last = _last(pointer)
+        if last is not None and last != os.path.basename(path):
+            table = _read(os.path.join(os.path.dirname(pointer), last), kind)
+    return table
+
+
+def _last(pointer: str) -> str | None:
+    try:
+        with open(pointer) as f:
+            name = f.read().strip()
+        return name if name.endswith(".json") and os.sep not in name else None
+    except OSError:
+        return None
+
+
+def save_journal(path: str, kind: str, table: FileTable, pointer: str | None = None) -> bool:
+    """Write ``table`` to ``path`` atomically and make ``pointer`` name it (removing the journal it
+    named before: a file set these entries no longer resolve to). False (logged once per folder, at
+    debug level) if the folder cannot be written."""
     directory = os.path.dirname(path)
-    tmp = None
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".journal-", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(json.dumps({"kind": kind, **table.columns()}, separators=(",", ":")).encode())
-        os.replace(tmp, path)
+        _write(path, json.dumps({"kind": kind, **table.columns()}, separators=(",", ":")).encode())
+        if pointer is not None:
+            before = _last(pointer)
+            _write(pointer, os.path.basename(path).encode())
+            if before is not None and before != os.path.basename(path):
+                try:
+                    os.unlink(os.path.join(directory, before))
+                except OSError:
+                    pass
         return True
     except OSError as e:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
         if directory not in _warned:
             _warned.add(directory)
             log.debug("file-metadata journal not written in %s (%s: %s); sources open without it",
                       directory, type(e).__name__, e)
         return False
+
+
+def _write(path: str, data: bytes) -> None:
+    """``data`` to ``path`` through a temporary file and ``os.replace`` (readers never see a part)."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".journal-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 
 from ..errors import ConfigError
 from .base import SKIPPED, SourceReadError
-from .metadata_cache import FileTable, cache_dir, journal_path, load_journal, save_journal
+from .metadata_cache import FileTable, cache_dir, journal_path, load_journal, pointer_path, save_journal
 from .skip_log import SkipLog
 
 __all__ = ["ParquetSource", "SourceReadError", "SKIPPED"]
@@ -99,7 +99,9 @@ def _expand(fs: pafs.FileSystem, pattern: str) -> list[tuple[str, int, int | Non
 
 class _Listing(NamedTuple):
     """The resolved files, column by column, sorted by shown name: ``mtime`` is the listing's
-    ``mtime_ns`` (-1 where the filesystem gives none); ``fs_index`` points into ``filesystems``."""
+    ``mtime_ns`` (-1 where the filesystem gives none); ``fs_index`` points into ``filesystems``;
+    ``entries``: the path entries as resolved (absolute, with their filesystem's scheme)."""
+    entries: list[str]
     filesystems: list
     fs_index: list[int]
     shown: list[str]
@@ -114,6 +116,7 @@ def _resolve(name: str, paths, filesystem) -> _Listing:
     if not entries:
         raise ConfigError(f"source {name!r}: no paths given; pass a glob such as 'data/{name}/*.parquet'")
     filesystems: list = []
+    resolved: list[str] = []
     found: dict[str, tuple] = {}
     local_fs = pafs.LocalFileSystem()
     for entry in entries:
@@ -134,14 +137,15 @@ def _resolve(name: str, paths, filesystem) -> _Listing:
             filesystems.append(fs)
             k = len(filesystems) - 1
         scheme = "" if fs.type_name == "local" else f"{fs.type_name}://"
+        resolved.append(scheme + path)
         if len(entries) == 1:                  # one entry: its matches are sorted and distinct already
-            return _Listing(filesystems, [0] * len(matches), [scheme + p for p, _, _ in matches],
+            return _Listing(resolved, filesystems, [0] * len(matches), [scheme + p for p, _, _ in matches],
                             [z or 0 for _, z, _ in matches], [-1 if t is None else t for _, _, t in matches])
         for path, size, mtime in matches:
             found[scheme + path] = (k, size or 0, -1 if mtime is None else mtime)
     shown = sorted(found)
     rows = [found[s] for s in shown]
-    return _Listing(filesystems, [r[0] for r in rows], shown, [r[1] for r in rows], [r[2] for r in rows])
+    return _Listing(resolved, filesystems, [r[0] for r in rows], shown, [r[1] for r in rows], [r[2] for r in rows])
 
 
 # --------------------------------------------------------------------------------------------
@@ -337,7 +341,8 @@ class ParquetSource:
         n, shown = len(listing.shown), listing.shown
         kind, directory = self._journal_kind(), cache_dir(self.metadata_cache)
         journal = None if directory is None else journal_path(directory, kind, shown)
-        old = None if journal is None else load_journal(journal, kind)
+        pointer = None if directory is None else pointer_path(directory, kind, listing.entries)
+        old = None if journal is None else load_journal(journal, kind, pointer)
         size, mtime = np.asarray(listing.size, np.int64), np.asarray(listing.mtime, np.int64)
         groups: list = [None] * n
         names: list = [None] * n
@@ -369,8 +374,10 @@ class ParquetSource:
         self.metadata_reads = sum(groups[i] is not None for i in todo) + len(errors)
         ok = [i for i in range(n) if groups[i] is not None]
         table = FileTable(shown, listing.size, listing.mtime, groups, names, (), listing.filesystems, listing.fs_index)
-        if journal is not None and any(groups[i] is not None and mtime[i] >= 0 for i in todo):
-            save_journal(journal, kind, table.take([i for i in ok if mtime[i] >= 0]))
+        keep = [i for i in ok if mtime[i] >= 0]
+        if journal is not None and (any(groups[i] is not None and mtime[i] >= 0 for i in todo) or old is None
+                                    or len(old.shown) != len(keep) or old.shown != [shown[i] for i in keep]):
+            save_journal(journal, kind, table.take(keep), pointer)        # something new, or another file set
         # errors and files without a projected column, in file order
         missing_of: dict[int, list] = {}
         for nm in {id(x): x for x in names if x is not None}.values():
