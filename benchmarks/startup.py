@@ -276,6 +276,9 @@ def main(argv=None) -> int:
         big = {"paths": paths, "spm": spm}
         first = {"spm": spm, "sources": [["many", paths]], "global_batch": cfg["global_batch"]}
         many_spm = str(Path(corpus["root"], corpus["spm"]))
+        from torchdata_overlord import ParquetSource
+        for fs in src_files[:max(cfg["sources"])]:         # the many-sources runs start with their journal written
+            ParquetSource("warm-up", fs, metadata_cache=str(work / "journal-many"))
         for rep in range(cfg["repeat"]):
             journal = str(work / f"journal-{rep}")          # empty: the cold runs fill it, the warm ones read it
             attempt("construct_cold", "construct", {**big, "journal": journal})
