@@ -354,9 +354,40 @@ def autoscaling_table(data: dict) -> list[str]:
     return lines
 
 
+def startup_table(data: dict) -> list[str]:
+    m, c, runs = data["machine"], data["config"], data["runs"]
+    lines = [f"**Start-up** (`python benchmarks/startup.py`, {data['date']}, {m['cores']} cores, {m['memory_gib']} GiB, "
+             f"1-minute load {m.get('load_avg_1m_at_start', '?')} at the start): one source of {c['files']:,} Parquet "
+             f"files of {c['rows']} rows; medians of {c['repeat']} runs, each a fresh process; target: the first step "
+             f"within {data['target_s']:g} s in both runtimes with the file-metadata journal written.", "",
+             "| run | seconds | footers read |", "|---|---:|---:|"]
+    for name, label in (("construct_cold", "`ParquetSource(...)`, no journal"),
+                        ("construct_warm", "`ParquetSource(...)`, journal written")):
+        if name in runs:
+            lines.append(f"| {label} | {runs[name]['seconds']:.2f} | {runs[name]['footers_read']:,} |")
+    spec = runs.get("construct_warm", {}).get("spec")
+    if spec:
+        lines.append(f"| rebuilt from its spec ({spec['spec_mib']:.1f} MiB pickled) | {spec['rebuild_s']:.2f} | "
+                     f"{spec['footers_read']:,} |")
+    for runtime in ("local", "rpc"):
+        for temp, label in (("cold", "no journal"), ("warm", "journal written")):
+            r = runs.get(f"first_{runtime}_{temp}")
+            if r:
+                lines.append(f"| to the first batch, {runtime}, {label} (source {r['open_s']:.2f} s + loader "
+                             f"{r['loader_s']:.2f} s) | {r['total_s']:.2f} | {r['footers_read']:,} |")
+    many = [(s, runs.get(f"many_local_{s}"), runs.get(f"many_rpc_{s}")) for s in c["sources"]]
+    if any(lo or rp for _, lo, rp in many):
+        lines += ["", f"Start-up to the first batch with S ordinary sources (2 files of 2 row groups of "
+                      f"~{c['source_corpus']['row_group_kib']} KiB each), global batch {c['many_global_batch']}, "
+                      f"default settings:", "", "| S | local (s) | rpc (s) |", "|---:|---:|---:|"]
+        for s, lo, rp in many:
+            lines.append(f"| {s} | {lo['total_s'] if lo else float('nan'):.2f} | {rp['total_s'] if rp else float('nan'):.2f} |")
+    return lines
+
+
 TABLES = [("plan_speed", plan_speed_table), ("e2e_throughput", e2e_throughput_table), ("runtimes", runtimes_table),
           ("balance", balance_table), ("mixing_accuracy", mixing_table), ("fault_recovery", fault_recovery_table),
-          ("memory", memory_table), ("autoscaling", autoscaling_table)]
+          ("memory", memory_table), ("autoscaling", autoscaling_table), ("startup", startup_table)]
 
 
 def render() -> str:

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import torchdata_overlord as ol
 from torchdata_overlord.plane.balancing import problem as problem_mod
 from _support import zigzag_bins
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cache_in_tmp(tmp_path_factory):
+    """Every cache the suite writes (sources' file-metadata journals, corpora built without a root),
+    in this process and the ones it starts, goes to a session folder, never the user's home."""
+    before = os.environ.get("TORCHDATA_OVERLORD_CACHE")
+    os.environ["TORCHDATA_OVERLORD_CACHE"] = str(tmp_path_factory.mktemp("overlord-cache"))
+    yield os.environ["TORCHDATA_OVERLORD_CACHE"]
+    if before is None:
+        os.environ.pop("TORCHDATA_OVERLORD_CACHE", None)
+    else:
+        os.environ["TORCHDATA_OVERLORD_CACHE"] = before
 
 
 @pytest.fixture

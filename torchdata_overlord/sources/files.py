@@ -3,9 +3,11 @@ epochs, error policy and exact resume.
 
 Text formats have no footer that says how many rows a file holds, so opening the source parses each
 file once (single-threaded ``pyarrow.json`` / ``pyarrow.csv`` readers: the same rows in the same
-order on every run) to count its rows and check its columns; reading then decodes one whole file at
-a time, as :class:`~torchdata_overlord.ParquetSource` decodes one row group. Keep files to shard
-size (tens to hundreds of MiB); a ``.gz`` suffix is decompressed on the fly.
+order on every run) to count its rows and check its columns; the file-metadata journal
+(:mod:`.metadata_cache`) keeps both, so a later opening parses only the files whose size or mtime
+changed. Reading decodes one whole file at a time, as :class:`~torchdata_overlord.ParquetSource`
+decodes one row group. Keep files to shard size (tens to hundreds of MiB); a ``.gz`` suffix is
+decompressed on the fly.
 """
 
 from __future__ import annotations
@@ -45,13 +47,15 @@ class FileSource(ParquetSource):
 
     def __init__(self, name: str, paths, transform=None, columns=None, shuffle: bool = True, seed: int = 0,
                  epochs: int | None = None, on_error: str = "raise", filesystem: pafs.FileSystem | None = None,
-                 skip_log_interval: float = 60.0, format: str | None = None):
+                 skip_log_interval: float = 60.0, format: str | None = None, metadata_cache=None,
+                 file_table=None):
         if format is not None and format not in _NAMES:
             raise ConfigError(f"source {name!r}: format must be None (from each file's suffix), 'json', 'csv' or "
                               f"'arrow', got {format!r}")
         self.format = format
         super().__init__(name, paths, transform, columns=columns, shuffle=shuffle, seed=seed, epochs=epochs,
-                         on_error=on_error, filesystem=filesystem, skip_log_interval=skip_log_interval)
+                         on_error=on_error, filesystem=filesystem, skip_log_interval=skip_log_interval,
+                         metadata_cache=metadata_cache, file_table=file_table)
 
     @property
     def FORMAT(self) -> str:           # noqa: N802 - the name ParquetSource's messages use
@@ -71,15 +75,17 @@ class FileSource(ParquetSource):
                 return pajson.read_json(stream, read_options=pajson.ReadOptions(use_threads=False))
             return pacsv.read_csv(stream, read_options=pacsv.ReadOptions(use_threads=False))
 
-    def _open_file(self, fs: pafs.FileSystem, path: str, shown: str) -> _File:
+    def _open_file(self, fs: pafs.FileSystem, path: str, shown: str) -> tuple[tuple, list[str]]:
         """Parse the whole file once: its row count and columns (ConfigError naming it if unreadable)."""
         try:
-            size = fs.get_file_info(path).size
             table = self._read_table(fs, path, shown)
         except (pa.ArrowException, OSError) as e:
             raise ConfigError(f"{shown}: not a readable {_NAMES[file_format(shown, self.format)]} file "
                               f"({type(e).__name__}: {e}); fix or remove it, or pass on_error='skip'") from e
-        return _File(fs, path, shown, int(size), (table.num_rows,), list(table.column_names))
+        return (table.num_rows,), list(table.column_names)
+
+    def _journal_kind(self) -> str:
+        return f"text:{self.format or 'by-suffix'}"
 
     def _read_group(self, f: _File, rg: int) -> pa.Table:
         table = self._read_table(f.fs, f.path, f.shown)

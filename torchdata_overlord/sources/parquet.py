@@ -23,12 +23,20 @@ Design, in brief:
   change, so a state of any part (or of the whole source) loads into any other shard layout.
   :attr:`last_order` is the read-order key of the row just read (``unit ordinal << 32 | row``, with
   ``unit ordinal = epoch * units + unit``): merging parts' buffers by it gives the one-reader order.
+* **Opening** lists the files once and reads each footer's row-group sizes and column names; the
+  file-metadata journal (:mod:`.metadata_cache`) keeps those, so a later opening reads only the
+  files whose size or mtime changed, and ``spec_args()`` carries them to a process that rebuilds
+  the source (no listing, no footer read there). Only those numbers and names are held per file.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 import os
 import re
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -38,6 +46,7 @@ import pyarrow.parquet as pq
 
 from ..errors import ConfigError
 from .base import SKIPPED, SourceReadError
+from .metadata_cache import FileTable, cache_dir, journal_path, load_journal, pointer_path, save_journal
 from .skip_log import SkipLog
 
 __all__ = ["ParquetSource", "SourceReadError", "SKIPPED"]
@@ -75,31 +84,48 @@ def _glob_regex(pattern: str) -> re.Pattern:
     return re.compile("".join(out))
 
 
-def _expand(fs: pafs.FileSystem, pattern: str) -> list[str]:
-    """Files matching ``pattern`` in ``fs``: a glob, a file, or a directory (its ``*.parquet``, recursively)."""
+def _expand(fs: pafs.FileSystem, pattern: str) -> list[tuple[str, int, int | None]]:
+    """Files matching ``pattern`` in ``fs``, sorted, as ``(path, size, mtime_ns)`` from the listing: a
+    glob, a file, or a directory (its ``*.parquet``, recursively)."""
+    file = pafs.FileType.File
     m = _GLOB_CHARS.search(pattern)
     if m is None:
         info = fs.get_file_info(pattern)
-        if info.type == pafs.FileType.File:
-            return [pattern]
-        if info.type == pafs.FileType.Directory:
-            sel = pafs.FileSelector(pattern, recursive=True)
-            return sorted(i.path for i in fs.get_file_info(sel)
-                          if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
-        return []
+        if info.type == file:
+            return [(pattern, info.size, info.mtime_ns)]
+        if info.type != pafs.FileType.Directory:
+            return []
+        infos = fs.get_file_info(pafs.FileSelector(pattern, recursive=True))
+        return sorted((i.path, i.size, i.mtime_ns) for i in infos if i.type == file and i.path.endswith(".parquet"))
     base = pattern[:m.start()].rpartition("/")[0] or ("/" if pattern.startswith("/") else "")
     recursive = "/" in pattern[m.start():]
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=recursive, allow_not_found=True))
     rx = _glob_regex(pattern)
-    return sorted(i.path for i in infos if i.type == pafs.FileType.File and rx.fullmatch(i.path))
+    return sorted((i.path, i.size, i.mtime_ns) for i in infos if i.type == file and rx.fullmatch(i.path))
 
 
-def _resolve(name: str, paths, filesystem) -> list[tuple[pafs.FileSystem, str, str]]:
-    """Every entry of ``paths`` expanded; sorted and de-duplicated by shown name. Errors name the entry."""
+class _Listing(NamedTuple):
+    """The resolved files, column by column, sorted by shown name: ``mtime`` is the listing's
+    ``mtime_ns`` (-1 where the filesystem gives none); ``fs_index`` points into ``filesystems``;
+    ``entries``: the path entries as resolved (absolute, with their filesystem's scheme)."""
+    entries: list[str]
+    filesystems: list
+    fs_index: list[int]
+    shown: list[str]
+    size: list[int]
+    mtime: list[int]
+
+
+def _resolve(name: str, paths, filesystem) -> _Listing:
+    """Every entry of ``paths`` expanded; sorted and de-duplicated by shown name. Errors name the entry.
+    Sizes and mtimes come from the listing itself (no file is opened or stat'ed again)."""
     entries = [paths] if isinstance(paths, str) else list(paths)
     if not entries:
         raise ConfigError(f"source {name!r}: no paths given; pass a glob such as 'data/{name}/*.parquet'")
-    found: dict[str, tuple[pafs.FileSystem, str, str]] = {}
+    filesystems: list = []
+    resolved: list[str] = []
+    found: dict[str, tuple] = {}
+    local_fs = pafs.LocalFileSystem()
     for entry in entries:
         if not isinstance(entry, str):
             raise ConfigError(f"source {name!r}: path entries must be strings, got {entry!r}")
@@ -108,19 +134,29 @@ def _resolve(name: str, paths, filesystem) -> list[tuple[pafs.FileSystem, str, s
         elif "://" in entry:
             fs, path = pafs.FileSystem.from_uri(entry)
         else:
-            fs, path = pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(entry))
+            fs, path = local_fs, os.path.abspath(os.path.expanduser(entry))
         matches = _expand(fs, path)
         if not matches:
             raise ConfigError(f"source {name!r}: {entry!r} matches no file; check the path/glob "
                               f"(globs use * ? [..] and ** for any depth)")
-        for p in matches:
-            shown = p if fs.type_name == "local" else f"{fs.type_name}://{p}"
-            found[shown] = (fs, p, shown)
-    return [found[k] for k in sorted(found)]
+        k = next((j for j, g in enumerate(filesystems) if g is fs or g.equals(fs)), None)
+        if k is None:
+            filesystems.append(fs)
+            k = len(filesystems) - 1
+        scheme = "" if fs.type_name == "local" else f"{fs.type_name}://"
+        resolved.append(scheme + path)
+        if len(entries) == 1:                  # one entry: its matches are sorted and distinct already
+            return _Listing(resolved, filesystems, [0] * len(matches), [scheme + p for p, _, _ in matches],
+                            [z or 0 for _, z, _ in matches], [-1 if t is None else t for _, _, t in matches])
+        for path, size, mtime in matches:
+            found[scheme + path] = (k, size or 0, -1 if mtime is None else mtime)
+    shown = sorted(found)
+    rows = [found[s] for s in shown]
+    return _Listing(resolved, filesystems, [r[0] for r in rows], shown, [r[1] for r in rows], [r[2] for r in rows])
 
 
 # --------------------------------------------------------------------------------------------
-# per-file metadata, read once in __init__
+# per-file metadata: row-group sizes and columns, from the journal, a spec, or the footers
 # --------------------------------------------------------------------------------------------
 
 class _File(NamedTuple):
@@ -130,18 +166,46 @@ class _File(NamedTuple):
     size: int
     groups: tuple            # rows of each row group (a text file: one group, the whole file)
     names: list[str]
-    meta: pq.FileMetaData | None = None
+    mtime: int = -1          # mtime_ns when listed (-1: unknown)
 
 
-def _open_meta(fs: pafs.FileSystem, path: str, shown: str) -> _File:
-    """Footer and schema of one file; raises ConfigError naming the file if it is not readable Parquet."""
+class _Files(Sequence):
+    """A source's usable files (a :class:`FileTable`) as :class:`_File` records, each made when asked
+    for: 100,000 files open without 100,000 objects. The last one made is kept, so the file being
+    read is asked for again as the same object."""
+
+    def __init__(self, table: FileTable):
+        self.table = table
+        self._last: tuple[int, _File | None] = (-1, None)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = operator.index(i)
+        if i < 0:
+            i += len(self)
+        last = self._last
+        if last[0] == i:
+            return last[1]
+        t = self.table
+        fs, shown = t.filesystems[int(t.fs_index[i])], t.shown[i]
+        path = shown if fs.type_name == "local" else shown[len(fs.type_name) + 3:]
+        f = _File(fs, path, shown, t.size[i], t.groups[i], t.names[i], t.mtime[i])
+        self._last = (i, f)
+        return f
+
+
+def _open_meta(fs: pafs.FileSystem, path: str, shown: str) -> tuple[tuple, list[str]]:
+    """Row-group sizes and column names from one file's footer; ConfigError naming the file if it is
+    not readable Parquet."""
     try:
-        size = fs.get_file_info(path).size
         with fs.open_input_file(path) as f:
             pf = pq.ParquetFile(f)
             meta = pf.metadata
-            groups = tuple(meta.row_group(rg).num_rows for rg in range(meta.num_row_groups))
-            return _File(fs, path, shown, int(size), groups, list(pf.schema_arrow.names), meta)
+            return tuple(meta.row_group(rg).num_rows for rg in range(meta.num_row_groups)), list(pf.schema_arrow.names)
     except (pa.ArrowException, OSError) as e:
         raise ConfigError(f"{shown}: not a readable Parquet file ({type(e).__name__}: {e}); "
                           f"remove it from the source or pass on_error='skip'") from e
@@ -181,26 +245,38 @@ class ParquetSource:
     """
 
     FORMAT = "Parquet"
+    OPEN_THREADS = min(32, 4 * (os.cpu_count() or 1))    # threads reading footers on a non-local filesystem
 
     def __init__(self, name: str, paths, transform: Callable[[dict], Any] | None = None, columns=None,
                  shuffle: bool = True, seed: int = 0, epochs: int | None = None, on_error: str = "raise",
-                 filesystem: pafs.FileSystem | None = None, skip_log_interval: float = 60.0):
+                 filesystem: pafs.FileSystem | None = None, skip_log_interval: float = 60.0,
+                 metadata_cache=None, file_table: FileTable | None = None):
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"source {name!r}: on_error must be 'raise' or 'skip', got {on_error!r}")
         if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
             raise ConfigError(f"source {name!r}: epochs must be None (forever) or an int >= 1, got {epochs!r}")
         if not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ConfigError(f"source {name!r}: seed must be an int >= 0, got {seed!r}")
+        if not (metadata_cache is None or isinstance(metadata_cache, (bool, str, os.PathLike))):
+            raise ConfigError(f"source {name!r}: metadata_cache must be a directory, False (none) or None (the "
+                              f"default folder), got {metadata_cache!r}")
+        if file_table is not None and not isinstance(file_table, FileTable):
+            raise ConfigError(f"source {name!r}: file_table must come from spec_args(), got "
+                              f"{type(file_table).__name__}")
         self.name, self.transform, self.on_error = name, transform, on_error
         self.paths, self.filesystem = paths, filesystem       # as given: enough to reopen the source elsewhere
+        self.metadata_cache = metadata_cache
         self.shuffle, self.seed, self.epochs = bool(shuffle), int(seed), epochs
         self.columns = _columns(columns, transform)
         self._columns_given = columns is not None        # else the transform's: its field is what to fix
         self.skips = SkipLog(name, skip_log_interval)
         self.skip_log_interval = self.skips.interval
         self.rows_passed = 0  # rows read or skipped so far (a whole-epoch run of skips means nothing is usable)
-        self._files = self._open_all(_resolve(name, paths, filesystem))
-        self.files = [f.shown for f in self._files]
+        self.metadata_reads = 0  # files opened for their metadata (footer, or a text file's parse) by __init__
+        self._meta = self._open_all(_resolve(name, paths, filesystem)) if file_table is None else \
+            self._from_table(file_table)                  # the usable files' metadata (a FileTable)
+        self._files = _Files(self._meta)
+        self.files = list(self._meta.shown)
         self._build_units()
         self.reads = 0  # row groups decoded so far (observability: restores must not re-read)
         self._handle = None  # (file, raw handle, ParquetFile) of the file being read
@@ -211,51 +287,154 @@ class ParquetSource:
 
     # ---- setup ------------------------------------------------------------------------------
 
-    def _open_file(self, fs: pafs.FileSystem, path: str, shown: str) -> _File:
-        """One file's row-group sizes and columns (a Parquet footer); ConfigError naming it if unreadable."""
+    def _open_file(self, fs: pafs.FileSystem, path: str, shown: str) -> tuple[tuple, list[str]]:
+        """One file's row-group sizes and column names (its Parquet footer); ConfigError naming it if
+        unreadable. May run on several threads at once (see :meth:`_read_metas`)."""
         return _open_meta(fs, path, shown)
 
+    def _journal_kind(self) -> str:
+        """What the metadata means (the journal of one kind is not read as another's)."""
+        return "parquet"
+
     def _read_group(self, f: _File, rg: int) -> pa.Table:
-        """Row group ``rg`` of ``f``, projected (the file stays open until the next file is read)."""
-        if self._handle is None or self._handle[0] is not f:
+        """Row group ``rg`` of ``f``, projected (the file stays open until the next file is read; its
+        footer is read again when it is opened, and must still describe the row groups seen at open)."""
+        if self._handle is None or self._handle[0].shown != f.shown:
             self._close_file()
             raw = f.fs.open_input_file(f.path)
-            self._handle = (f, raw, pq.ParquetFile(raw, metadata=f.meta))
+            try:
+                pf = pq.ParquetFile(raw)
+                meta = pf.metadata
+                groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
+                if groups != tuple(f.groups):
+                    raise OSError(f"row groups of {list(groups)} rows now, {list(f.groups)} when the source was "
+                                  f"opened")
+            except BaseException:
+                raw.close()
+                raise
+            self._handle = (f, raw, pf)
         return self._handle[2].read_row_group(rg, columns=self.columns)
 
     def spec_args(self) -> tuple[Any, Any, dict]:
-        """``(paths, transform, kwargs)`` to build this source again in another process: for local
-        files the resolved :attr:`files` (exactly the same files in the same order); for URIs or a
-        ``filesystem=`` (pyarrow filesystems pickle) the paths as given, resolved again there (the
-        state's file fingerprint then refuses a file set that changed)."""
+        """``(paths, transform, kwargs)`` to build this source again in another process: the paths and
+        ``filesystem`` as given, and ``file_table``: the files this source opened, with their sizes,
+        mtimes, row groups, columns and filesystems (pyarrow filesystems pickle). The source built
+        from them lists no directory and reads no footer: the same files in the same order, the same
+        fingerprint (a state of another file set is refused there as here)."""
+        t = self._meta
+        table = FileTable(t.shown, t.size, t.mtime, t.groups, t.names,
+                          [[e["file"], e["error"]] for e in self.skips.entries if e["row"] is None],
+                          t.filesystems, t.fs_index)
         kwargs = dict(columns=self.columns, shuffle=self.shuffle, seed=self.seed, epochs=self.epochs,
-                      on_error=self.on_error, skip_log_interval=self.skip_log_interval)
-        paths = list(self.files)
-        if self.filesystem is not None or any("://" in f for f in self.files):
-            paths, kwargs["filesystem"] = self.paths, self.filesystem
-        return paths, self.transform, kwargs
+                      on_error=self.on_error, skip_log_interval=self.skip_log_interval, filesystem=self.filesystem,
+                      metadata_cache=self.metadata_cache, file_table=table)
+        return self.paths, self.transform, kwargs
 
-    def _open_all(self, resolved) -> list[_File]:
-        """Open every file's footer now, so bad files and missing columns fail before iteration."""
-        files = []
-        for fs, path, shown in resolved:
-            try:
-                f = self._open_file(fs, path, shown)
-            except ConfigError as e:
+    def _from_table(self, table: FileTable) -> FileTable:
+        """A :class:`FileTable` from :meth:`spec_args`, checked, opening no file (the files it skipped at
+        open are counted as skipped here too)."""
+        n = len(table)
+        cols = (table.size, table.mtime, table.groups, table.names)
+        if table.fs_index is None or any(len(c) != n for c in (*cols, table.fs_index)) or \
+                (n and not 0 <= int(np.max(table.fs_index)) < len(table.filesystems)):
+            raise ConfigError(f"source {self.name!r}: file_table is incomplete (no filesystems, or columns of "
+                              f"different lengths); pass the one spec_args() made")
+        for file, error in table.skipped:
+            self.skips.add(file, None, error, 0)
+        return table
+
+    def _open_all(self, listing: _Listing) -> FileTable:
+        """Every file's row groups and columns, now, so bad files and missing columns fail before
+        iteration: from the journal (:mod:`.metadata_cache`) where a file's size and mtime are those it
+        recorded, else from the file itself (:meth:`_open_file`); the journal is then brought up to date.
+        The usable files, in order."""
+        n, shown = len(listing.shown), listing.shown
+        kind, directory = self._journal_kind(), cache_dir(self.metadata_cache)
+        journal = None if directory is None else journal_path(directory, kind, shown)
+        pointer = None if directory is None else pointer_path(directory, kind, listing.entries)
+        old = None if journal is None else load_journal(journal, kind, pointer)
+        size, mtime = np.asarray(listing.size, np.int64), np.asarray(listing.mtime, np.int64)
+        groups: list = [None] * n
+        names: list = [None] * n
+        if old is not None and old.shown == shown:
+            at = np.arange(n)
+        elif old is not None:
+            pos = {f: i for i, f in enumerate(old.shown)}
+            at = np.fromiter((pos.get(f, -1) for f in shown), np.int64, n)
+        else:
+            at = np.full(n, -1, np.int64)
+        found = at >= 0
+        j = np.where(found, at, 0)
+        hit = found & (mtime >= 0)
+        if old is not None and n:
+            hit &= (np.asarray(old.size, np.int64)[j] == size) & (np.asarray(old.mtime, np.int64)[j] == mtime)
+        if old is not None and hit.all() and old.shown == shown:
+            groups, names = old.groups, old.names              # the usual case: nothing changed
+        else:
+            for i in np.flatnonzero(hit).tolist():
+                groups[i], names[i] = old.groups[at[i]], old.names[at[i]]
+        todo = np.flatnonzero(~hit).tolist()
+        errors: dict[int, ConfigError] = {}
+        schemas: dict[tuple, list] = {}                         # one names list per schema read
+        for i, got in zip(todo, self._read_metas(listing, todo)):
+            if isinstance(got, ConfigError):
+                errors[i] = got
+            elif got is not None:
+                groups[i], names[i] = tuple(got[0]), schemas.setdefault(tuple(got[1]), list(got[1]))
+        self.metadata_reads = sum(groups[i] is not None for i in todo) + len(errors)
+        ok = [i for i in range(n) if groups[i] is not None]
+        table = FileTable(shown, listing.size, listing.mtime, groups, names, (), listing.filesystems, listing.fs_index)
+        keep = [i for i in ok if mtime[i] >= 0]
+        if journal is not None and (any(groups[i] is not None and mtime[i] >= 0 for i in todo) or old is None
+                                    or len(old.shown) != len(keep) or old.shown != [shown[i] for i in keep]):
+            save_journal(journal, kind, table.take(keep), pointer)        # something new, or another file set
+        # errors and files without a projected column, in file order
+        missing_of: dict[int, list] = {}
+        for nm in {id(x): x for x in names if x is not None}.values():
+            missing_of[id(nm)] = [c for c in self.columns or () if c not in nm]
+        bad = sorted([*errors, *(i for i in ok if missing_of[id(names[i])])])
+        for i in bad:
+            if i in errors:
                 if self.on_error == "raise":
-                    raise ConfigError(f"source {self.name!r}: {e}") from e.__cause__
-                self._skip(shown, None, e, 0)
+                    raise ConfigError(f"source {self.name!r}: {errors[i]}") from errors[i].__cause__
+                self._skip(shown[i], None, errors[i], 0)
                 continue
-            missing = [c for c in self.columns or () if c not in f.names]
-            if not missing:
-                files.append(f)
-                continue
-            err = ConfigError(f"source {self.name!r}: {shown} has no column(s) {missing}; available columns: "
-                              f"{f.names}. {self._columns_fix(missing)}")
+            missing = missing_of[id(names[i])]
+            err = ConfigError(f"source {self.name!r}: {shown[i]} has no column(s) {missing}; available columns: "
+                              f"{names[i]}. {self._columns_fix(missing)}")
             if self.on_error == "raise":
                 raise err
-            self._skip(shown, None, err, 0)
-        return files
+            self._skip(shown[i], None, err, 0)
+        if len(ok) == n and not bad:
+            return table
+        drop = set(bad)
+        return table.take([i for i in ok if i not in drop])
+
+    def _read_metas(self, listing: _Listing, todo: list[int]) -> list:
+        """:meth:`_open_file` of the files at ``todo``, in order: ``(groups, names)`` or the ConfigError it
+        raised (None: not read). Files on a local filesystem are read one after another (a footer read
+        there costs the GIL-bound Python around it, so threads do not help), stopping at the first
+        error under on_error="raise"; files on other filesystems (object stores: a round trip per file)
+        on a pool of up to :attr:`OPEN_THREADS` threads."""
+        def one(i):
+            fs, shown = listing.filesystems[listing.fs_index[i]], listing.shown[i]
+            path = shown if fs.type_name == "local" else shown[len(fs.type_name) + 3:]
+            try:
+                return self._open_file(fs, path, shown)
+            except ConfigError as e:
+                return e
+
+        remote = [i for i in todo if listing.filesystems[listing.fs_index[i]].type_name != "local"]
+        got = {}
+        if len(remote) > 1:
+            with ThreadPoolExecutor(min(self.OPEN_THREADS, len(remote)), thread_name_prefix="overlord-open") as pool:
+                got = dict(zip(remote, pool.map(one, remote)))
+        out: list = [None] * len(todo)
+        for k, i in enumerate(todo):
+            out[k] = got[i] if i in got else one(i)
+            if isinstance(out[k], ConfigError) and self.on_error == "raise":
+                break
+        return out
 
     def _columns_fix(self, missing: list[str]) -> str:
         """What to change when a file lacks a projected column: ``columns=`` if it was given, else the
@@ -267,27 +446,29 @@ class ParquetSource:
 
     def _build_units(self) -> None:
         """Flatten (file, row group) into unit arrays; file offsets make the dense sample keys."""
-        ufile, urg, urows, ufirst, uoffset = [], [], [], [], []
-        offset = 0
-        for fi, f in enumerate(self._files):
-            first = 0
-            for rg, n in enumerate(f.groups):
-                if n:
-                    ufile.append(fi); urg.append(rg); urows.append(n); ufirst.append(first); uoffset.append(offset)
-                first += n
-            offset += sum(f.groups)
+        t = self._meta
+        nfiles = len(t)
+        ngroups = np.fromiter(map(len, t.groups), np.int64, nfiles)
+        rows = np.fromiter(itertools.chain.from_iterable(t.groups), np.int64, int(ngroups.sum()))
+        file_of = np.repeat(np.arange(nfiles, dtype=np.int64), ngroups)
+        file_rows = np.zeros(nfiles, np.int64)
+        np.add.at(file_rows, file_of, rows)
+        file_offset = np.cumsum(file_rows) - file_rows                 # rows in all earlier files
+        keep = rows > 0
+        self._ufile, self._urows = file_of[keep], rows[keep]
+        self._urg = (np.arange(len(rows), dtype=np.int64) - (np.cumsum(ngroups) - ngroups)[file_of])[keep]
+        self._uoffset = file_offset[file_of][keep]       # key = offset of the file + row within the file
+        self._ufirst = (np.cumsum(rows) - rows - file_offset[file_of])[keep]     # row in the file
+        offset = int(file_rows.sum())
         if offset == 0:
             skipped = self.skips.entries
             first = f"; first skipped: {skipped[0]['file']}: {skipped[0]['error']}" if skipped else ""
-            raise ConfigError(f"source {self.name!r} has no rows ({len(self._files)} usable file(s), "
+            raise ConfigError(f"source {self.name!r} has no rows ({nfiles} usable file(s), "
                               f"{len(skipped)} skipped{first}); point it at non-empty {self.FORMAT} files")
         self.num_rows = offset  # rows per epoch
-        self._ufile, self._urg = np.asarray(ufile, np.int64), np.asarray(urg, np.int64)
-        self._urows, self._ufirst = np.asarray(urows, np.int64), np.asarray(ufirst, np.int64)
-        self._uoffset = np.asarray(uoffset, np.int64)  # key = offset of the file + row within the file
         self._fingerprint = {
             "name": self.name, "seed": self.seed, "shuffle": self.shuffle, "columns": self.columns,
-            "files": [[f.shown, f.size, sum(f.groups)] for f in self._files]}
+            "files": [[f, z, r] for f, z, r in zip(t.shown, t.size, file_rows.tolist())]}
 
     # ---- position ---------------------------------------------------------------------------
 
@@ -372,6 +553,8 @@ class ParquetSource:
             if fp.get(k) != mine[k]:
                 raise ConfigError(f"source {self.name!r}: state was taken with {k}={fp.get(k)!r}, this source "
                                   f"has {k}={mine[k]!r}; restore with the same configuration")
+        if fp.get("files") == mine["files"]:            # the usual case, compared without copying 100,000s
+            return
         theirs = [list(x) for x in fp.get("files") or []]
         ours = [list(x) for x in mine["files"]]
         if theirs != ours:

@@ -1,0 +1,352 @@
+"""Opening a source fast (issue 13): the file-metadata journal, rebuilding a source from its spec
+without listing or reading footers, and streams that stay bit-identical either way.
+
+Real Parquet / JSON Lines files in a temporary folder; footer reads are counted by a subclass that
+overrides ``_open_file`` (and by the source's own ``metadata_reads``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+
+import torchdata_overlord as ol
+from torchdata_overlord.errors import ConfigError
+from torchdata_overlord.runtime.job_config import SourceSpec
+from torchdata_overlord.sources import ParquetSource
+from torchdata_overlord.sources.metadata_cache import FileTable, cache_dir
+
+LAYOUT = [("a.parquet", 23, 5), ("b.parquet", 7, 7), ("c.parquet", 30, 4), ("d.parquet", 11, 3)]
+N = sum(rows for _, rows, _ in LAYOUT)
+
+
+def write(path: Path, gids, row_group_size: int) -> Path:
+    gids = list(gids)
+    pq.write_table(pa.table({"gid": gids, "text": [f"t{g}" for g in gids]}), path, row_group_size=row_group_size)
+    return path
+
+
+@pytest.fixture
+def data(tmp_path) -> str:
+    d = tmp_path / "data"
+    d.mkdir()
+    start = 0
+    for name, rows, rg in LAYOUT:
+        write(d / name, range(start, start + rows), rg)
+        start += rows
+    return str(d / "*.parquet")
+
+
+class Counting(ParquetSource):
+    """Records every file whose footer it reads, and the threads that read them."""
+
+    opened: list = []
+    threads: set = set()
+
+    def _open_file(self, fs, path, shown):
+        Counting.opened.append(Path(shown).name)
+        Counting.threads.add(threading.current_thread().name.rsplit("_", 1)[0])
+        return super()._open_file(fs, path, shown)
+
+
+@pytest.fixture
+def counting():
+    Counting.opened, Counting.threads = [], set()
+    return Counting
+
+
+def take(src, n):
+    return [next(src) for _ in range(n)]
+
+
+def journals(directory) -> list[Path]:
+    return sorted(Path(directory).glob("*.json"))
+
+
+# ---- the journal ------------------------------------------------------------------------------
+
+def test_a_second_opening_reads_no_footer_and_streams_the_same(data, tmp_path, counting):
+    cache = tmp_path / "cache"
+    first = counting("s", data, seed=3, metadata_cache=str(cache))
+    assert sorted(counting.opened) == [n for n, _, _ in LAYOUT] and first.metadata_reads == len(LAYOUT)
+    assert len(journals(cache)) == 1
+    counting.opened = []
+    second = counting("s", data, seed=3, metadata_cache=str(cache))
+    assert counting.opened == [] and second.metadata_reads == 0
+    plain = ParquetSource("s", data, seed=3, metadata_cache=False)
+    assert second.files == first.files == plain.files and second.num_rows == plain.num_rows == N
+    assert second.state_dict() == first.state_dict() == plain.state_dict()
+    stream = take(plain, 3 * N)
+    assert take(first, 3 * N) == stream and take(second, 3 * N) == stream
+
+
+def test_metadata_cache_false_writes_nothing_and_reads_every_footer(data, tmp_path, counting, monkeypatch):
+    monkeypatch.setenv("TORCHDATA_OVERLORD_CACHE", str(tmp_path / "env-cache"))
+    for _ in range(2):
+        counting("s", data, metadata_cache=False)
+    assert len(counting.opened) == 2 * len(LAYOUT)
+    assert not (tmp_path / "env-cache").exists()
+
+
+def test_default_folder_is_the_env_cache_else_xdg(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHDATA_OVERLORD_CACHE", str(tmp_path / "env-cache"))
+    ParquetSource("s", data)
+    assert len(journals(tmp_path / "env-cache" / "metadata")) == 1
+    monkeypatch.delenv("TORCHDATA_OVERLORD_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir(None) == str(tmp_path / "xdg" / "torchdata_overlord" / "metadata")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_dir(None) == str(Path("~/.cache/torchdata_overlord/metadata").expanduser())
+    assert cache_dir(False) is None and cache_dir(tmp_path) == str(tmp_path)
+    with pytest.raises(ConfigError, match="metadata_cache"):
+        ParquetSource("s", data, metadata_cache=3)
+
+
+def test_a_changed_file_alone_is_read_again_and_its_new_rows_are_used(data, tmp_path, counting):
+    cache = str(tmp_path / "cache")
+    before = counting("s", data, shuffle=False, metadata_cache=cache)
+    d = tmp_path / "data"
+    write(d / "b.parquet", list(range(23, 30)) + [1000, 1001, 1002], 4)     # 3 rows appended: a new size
+    counting.opened = []
+    after = counting("s", data, shuffle=False, metadata_cache=cache)
+    assert counting.opened == ["b.parquet"] and after.metadata_reads == 1
+    assert after.num_rows == before.num_rows + 3
+    gids = [rec["gid"] for _, rec in take(after, after.num_rows)]
+    assert gids == list(range(0, 30)) + [1000, 1001, 1002] + list(range(30, N))
+    assert after.state_dict()["fingerprint"] == ParquetSource("s", data, shuffle=False, metadata_cache=False
+                                                              ).state_dict()["fingerprint"]
+    # same size, another mtime: read again too
+    os.utime(d / "c.parquet", ns=(1_000_000_000, 1_000_000_000))
+    counting.opened = []
+    counting("s", data, shuffle=False, metadata_cache=cache)
+    assert counting.opened == ["c.parquet"]
+    counting.opened = []
+    counting("s", data, shuffle=False, metadata_cache=cache)
+    assert counting.opened == []
+
+
+def test_another_file_set_has_its_own_journal(data, tmp_path, counting):
+    cache = str(tmp_path / "cache")
+    counting("s", data, metadata_cache=cache)
+    counting.opened = []
+    counting("s", data.replace("*", "[abc]"), metadata_cache=cache)   # d left out: another set
+    assert sorted(counting.opened) == ["a.parquet", "b.parquet", "c.parquet"]
+    assert len(journals(cache)) == 2
+    (tmp_path / "j.jsonl").write_text('{"a": 1}\n')
+    assert ol.FileSource("t", str(tmp_path / "j.jsonl"), metadata_cache=cache).num_rows == 1
+    assert len(journals(cache)) == 3
+
+
+def test_a_folder_that_gains_or_loses_files_starts_from_its_previous_journal(data, tmp_path, counting):
+    cache = tmp_path / "cache"
+    counting("s", data, metadata_cache=str(cache))
+    write(tmp_path / "data" / "e.parquet", range(500, 510), 5)
+    counting.opened = []
+    grown = counting("s", data, metadata_cache=str(cache))
+    assert counting.opened == ["e.parquet"] and grown.num_rows == N + 10
+    assert len(journals(cache)) == 1                       # the new file set's journal replaced the old one
+    (tmp_path / "data" / "a.parquet").unlink()
+    counting.opened = []
+    shrunk = counting("s", data, metadata_cache=str(cache))
+    assert counting.opened == [] and shrunk.num_rows == N + 10 - 23 and len(journals(cache)) == 1
+    assert take(shrunk, 2 * shrunk.num_rows) == take(ParquetSource("s", data, metadata_cache=False),
+                                                      2 * shrunk.num_rows)
+
+
+@pytest.mark.parametrize("damage", [b"\x00garbage", b'{"version": 1, "kind": "parquet", "prefix": "/x"',
+                                    b'{"version": 1, "kind": "parquet", "prefix": "", "tails": ["a"], "size": [1], '
+                                    b'"mtime": [1], "ngroups": [2], "groups": [1], "schema": [0], "schemas": [["x"]]}',
+                                    b'[1, 2, 3]'])
+def test_a_corrupt_journal_is_ignored_and_rewritten(data, tmp_path, counting, damage):
+    cache = tmp_path / "cache"
+    expected = take(counting("s", data, metadata_cache=str(cache)), N)
+    (journal,) = journals(cache)
+    journal.write_bytes(damage)
+    counting.opened = []
+    src = counting("s", data, metadata_cache=str(cache))
+    assert len(counting.opened) == len(LAYOUT) and take(src, N) == expected
+    assert json.loads(journal.read_bytes())["kind"] == "parquet"           # rewritten whole
+    counting.opened = []
+    counting("s", data, metadata_cache=str(cache))
+    assert counting.opened == []
+
+
+def test_a_journal_entry_of_a_since_corrupted_file_is_not_trusted(data, tmp_path, counting, caplog):
+    cache = str(tmp_path / "cache")
+    counting("s", data, shuffle=False, metadata_cache=cache)
+    (tmp_path / "data" / "b.parquet").write_bytes(b"PAR1 not parquet any more")     # size and mtime change
+    with pytest.raises(ConfigError, match=r"b\.parquet: not a readable Parquet file"):
+        ParquetSource("s", data, metadata_cache=cache)
+    counting.opened = []
+    src = counting("s", data, shuffle=False, on_error="skip", metadata_cache=cache)
+    assert counting.opened == ["b.parquet"] and src.metadata_reads == 1
+    assert [s["file"].rsplit("/", 1)[1] for s in src.skipped] == ["b.parquet"] and src.skipped[0]["row"] is None
+    assert src.skips.total == 1 and src.num_rows == N - 7
+    assert [rec["gid"] for _, rec in take(src, N - 7)] == list(range(23)) + list(range(30, N))
+
+
+def test_an_unwritable_cache_folder_means_no_journal_logged_once(data, tmp_path, counting, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    caplog.set_level(logging.DEBUG, logger="torchdata_overlord")
+    for _ in range(2):
+        src = counting("s", data, metadata_cache=str(blocker / "cache"))
+        assert take(src, 3)
+    assert len(counting.opened) == 2 * len(LAYOUT)
+    assert sum("journal not written" in r.getMessage() for r in caplog.records) == 1
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        counting("s", data, metadata_cache=str(ro))
+        if os.geteuid() != 0:                   # root writes anyway
+            assert journals(ro) == []
+    finally:
+        ro.chmod(0o755)
+
+
+# ---- rebuilding from a spec -------------------------------------------------------------------
+
+def rebuild(src):
+    """The source as another process builds it: its spec through pickle, then built."""
+    return pickle.loads(pickle.dumps(SourceSpec.from_source(src))).build()
+
+
+def test_a_source_rebuilt_from_its_spec_reads_no_footer_and_lists_nothing(data, tmp_path, counting):
+    src = counting("s", data, seed=4, metadata_cache=False)
+    spec = pickle.dumps(SourceSpec.from_source(src))
+    head = take(src, 20)
+    write(tmp_path / "data" / "e.parquet", range(500, 510), 5)            # a new file: not listed again
+    counting.opened = []
+    again = pickle.loads(spec).build()
+    assert type(again) is Counting and counting.opened == [] and again.metadata_reads == 0
+    assert again.files == src.files and again.num_rows == N and take(again, 20) == head
+    mid = rebuild(src)                                                   # its state: after 20 samples
+    assert counting.opened == [] and take(mid, 2 * N) == take(src, 2 * N)
+    # the fingerprint is unchanged: another file set's state is refused, this one's accepted
+    other = ParquetSource("s", data.replace("*", "[ab]"), seed=4, metadata_cache=False)
+    with pytest.raises(ConfigError, match="file list differs"):
+        again.load_state_dict(other.state_dict())
+    with pytest.raises(ConfigError, match="file list differs"):
+        rebuild(other).load_state_dict(src.state_dict())
+
+
+def test_a_rebuilt_source_counts_the_files_skipped_at_open(data, tmp_path):
+    (tmp_path / "data" / "b.parquet").write_bytes(b"garbage")
+    src = ParquetSource("s", data, on_error="skip", metadata_cache=False)
+    again = rebuild(src)
+    assert again.skipped == src.skipped and again.skips.total == 1 and again.files == src.files
+
+
+def test_spec_of_uri_and_filesystem_sources_rebuilds_them(data, tmp_path):
+    sub = pafs.SubTreeFileSystem(str(tmp_path / "data"), pafs.LocalFileSystem())
+    for src in (ParquetSource("s", "file://" + data, seed=2), ParquetSource("s", "*.parquet", seed=2, filesystem=sub)):
+        again = rebuild(src)
+        assert again.files == src.files and again.metadata_reads == 0
+        assert take(again, N) == take(src, N)
+
+
+def test_a_file_rewritten_after_the_source_opened_is_named_when_read(data, tmp_path):
+    src = ParquetSource("s", data, shuffle=False, metadata_cache=False)
+    write(tmp_path / "data" / "a.parquet", range(23), 6)                # valid Parquet, other row groups
+    with pytest.raises(ol.SourceReadError, match=r"a\.parquet row group 0 .*row groups of \[6, 6, 6, 5\] rows now, "
+                                                 r"\[5, 5, 5, 5, 3\] when the source was opened"):
+        next(src)
+
+
+def test_file_table_of_100k_files_pickles_small_and_round_trips():
+    n = 100_000
+    shown = [f"/data/corpus/part-{i:06d}.parquet" for i in range(n)]
+    names = ["id", "text"]
+    t = FileTable(shown, [1000 + i % 7 for i in range(n)], [1_700_000_000_000_000_000 + i for i in range(n)],
+                  [(4,)] * (n - 1) + [(3, 2)], [names] * n, [["/data/x.parquet", "boom"]],
+                  [pafs.LocalFileSystem()], np.zeros(n, np.int32))
+    blob = pickle.dumps(t)
+    assert len(blob) < 4 * 2**20
+    back = pickle.loads(blob)
+    assert back.shown == shown and back.size == t.size and back.mtime == t.mtime and back.groups == t.groups
+    assert back.names == t.names and back.names[0] is back.names[-1] and back.skipped == t.skipped
+    assert list(back.fs_index) == [0] * n and back.filesystems[0].type_name == "local"
+
+
+# ---- the state format, and text files ---------------------------------------------------------
+
+def test_the_state_format_is_unchanged_and_an_old_state_loads(data, tmp_path):
+    src = ParquetSource("s", data, seed=5, columns=["gid"])
+    d = tmp_path / "data"
+    old = {"epoch": 1, "unit": 2, "row": 1, "fingerprint": {
+        "name": "s", "seed": 5, "shuffle": True, "columns": ["gid"],
+        "files": [[str(d / n), (d / n).stat().st_size, rows] for n, rows, _ in LAYOUT]}}
+    assert src.state_dict() == {**old, "epoch": 0, "unit": 0, "row": 0}
+    src.load_state_dict(old)
+    ref = ParquetSource("s", data, seed=5, columns=["gid"], metadata_cache=False)
+    while (ref.epoch, ref._unit, ref._row) != (1, 2, 1):
+        next(ref)
+    assert take(src, N) == take(ref, N)
+
+
+class CountingText(ol.FileSource):
+    parsed: list = []
+
+    def _open_file(self, fs, path, shown):
+        CountingText.parsed.append(Path(shown).name)
+        return super()._open_file(fs, path, shown)
+
+
+def test_text_files_row_counts_are_journaled_too(tmp_path):
+    d = tmp_path / "text"
+    d.mkdir()
+    for f in range(3):
+        (d / f"p{f}.jsonl").write_text("".join(json.dumps({"id": f * 100 + i}) + "\n" for i in range(5 + f)))
+    cache = str(tmp_path / "cache")
+    CountingText.parsed = []
+    first = CountingText("t", str(d / "*.jsonl"), shuffle=False, metadata_cache=cache)
+    assert len(CountingText.parsed) == 3 and first.num_rows == 18
+    CountingText.parsed = []
+    second = CountingText("t", str(d / "*.jsonl"), shuffle=False, metadata_cache=cache)
+    assert CountingText.parsed == [] and [r for _, r in take(second, 18)] == [r for _, r in take(first, 18)]
+    with open(d / "p1.jsonl", "a") as f:
+        f.write(json.dumps({"id": 199}) + "\n")
+    CountingText.parsed = []
+    third = CountingText("t", str(d / "*.jsonl"), shuffle=False, metadata_cache=cache)
+    assert CountingText.parsed == ["p1.jsonl"] and third.num_rows == 19
+    assert [r["id"] for _, r in take(third, 19)][5:12] == [100, 101, 102, 103, 104, 105, 199]
+    again = rebuild(third)
+    assert CountingText.parsed == ["p1.jsonl"] and again.format is None and again.num_rows == 19
+
+
+# ---- footers on a non-local filesystem: read on a thread pool ---------------------------------
+
+def test_footers_on_a_non_local_filesystem_are_read_in_parallel_with_the_same_results(data, tmp_path, counting):
+    fsspec = pytest.importorskip("fsspec")
+    d = tmp_path / "data"
+    remote = pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("file")))       # not "local"
+    scheme = remote.type_name + "://"
+    local = counting("s", data, seed=6, metadata_cache=False)
+    assert counting.threads == {"MainThread"}                       # local files: one after another
+    counting.opened, counting.threads = [], set()
+    src = counting("s", data, seed=6, filesystem=remote, metadata_cache=False)
+    assert sorted(counting.opened) == [n for n, _, _ in LAYOUT] and counting.threads == {"overlord-open"}
+    assert src.files == [scheme + f for f in local.files] and take(src, 2 * N) == take(local, 2 * N)
+    again = rebuild(src)
+    assert again.metadata_reads == 0 and take(again, N) == take(src, N)
+    # the same errors, in file order: a corrupt file and one without the projected column
+    (d / "b.parquet").write_bytes(b"garbage")
+    pq.write_table(pa.table({"other": [1, 2]}), d / "c.parquet")
+    with pytest.raises(ConfigError, match=r"fsspec.*b\.parquet: not a readable Parquet file"):
+        ParquetSource("s", data, columns=["gid"], filesystem=remote, metadata_cache=False)
+    skip = ParquetSource("s", data, columns=["gid"], filesystem=remote, on_error="skip", metadata_cache=False)
+    assert [(s["file"].rsplit("/", 1)[1], s["error"].split(":")[0]) for s in skip.skipped] == [
+        ("b.parquet", "ConfigError"), ("c.parquet", "ConfigError")]
+    assert "has no column(s) ['gid']" in skip.skipped[1]["error"]
+    assert skip.num_rows == 23 + 11 and skip.files == [scheme + str(d / n) for n in ("a.parquet", "d.parquet")]
