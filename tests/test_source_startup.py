@@ -281,13 +281,14 @@ def test_file_table_of_100k_files_pickles_small_and_round_trips():
 
 # ---- the state format, and text files ---------------------------------------------------------
 
-def test_the_state_format_is_unchanged_and_an_old_state_loads(data, tmp_path):
+def test_the_state_format_and_an_old_state_loads(data, tmp_path):
     src = ParquetSource("s", data, seed=5, columns=["gid"])
     d = tmp_path / "data"
     old = {"epoch": 1, "unit": 2, "row": 1, "fingerprint": {
         "name": "s", "seed": 5, "shuffle": True, "columns": ["gid"],
         "files": [[str(d / n), (d / n).stat().st_size, rows] for n, rows, _ in LAYOUT]}}
-    assert src.state_dict() == {**old, "epoch": 0, "unit": 0, "row": 0}
+    # the format gained "units" and "ahead" (per-unit progress of data-parallel parts); a state without them loads
+    assert src.state_dict() == {**old, "epoch": 0, "unit": 0, "row": 0, "units": src.units, "ahead": []}
     src.load_state_dict(old)
     ref = ParquetSource("s", data, seed=5, columns=["gid"], metadata_cache=False)
     while (ref.epoch, ref._unit, ref._row) != (1, 2, 1):
