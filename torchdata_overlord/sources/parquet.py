@@ -203,7 +203,6 @@ class ParquetSource:
         self.files = [f.shown for f in self._files]
         self._build_units()
         self.reads = 0  # row groups decoded so far (observability: restores must not re-read)
-        self._handle = None  # (file, raw handle, ParquetFile) of the file being read
         self._part = (0, 1)  # (j, k): this reader takes units j, j+k, ... of each epoch (see shard())
         self._ahead: dict[int, int] = {}
         self.last_order = -1
@@ -216,12 +215,11 @@ class ParquetSource:
         return _open_meta(fs, path, shown)
 
     def _read_group(self, f: _File, rg: int) -> pa.Table:
-        """Row group ``rg`` of ``f``, projected (the file stays open until the next file is read)."""
-        if self._handle is None or self._handle[0] is not f:
-            self._close_file()
-            raw = f.fs.open_input_file(f.path)
-            self._handle = (f, raw, pq.ParquetFile(raw, metadata=f.meta))
-        return self._handle[2].read_row_group(rg, columns=self.columns)
+        """Row group ``rg`` of ``f``, projected. The file is open for this read only: a pyarrow reader
+        keeps the column chunks it pre-buffered (compressed) until its next read, which would hold
+        them beside the decoded row group for as long as the source serves it."""
+        with f.fs.open_input_file(f.path) as raw:
+            return pq.ParquetFile(raw, metadata=f.meta).read_row_group(rg, columns=self.columns)
 
     def spec_args(self) -> tuple[Any, Any, dict]:
         """``(paths, transform, kwargs)`` to build this source again in another process: for local
@@ -318,7 +316,6 @@ class ParquetSource:
         self._ahead = {int(g): int(r) for g, r in ahead}
         self._order = self._unit_order(epoch)
         self._drop_buffer()
-        self._close_file()
 
     def _unit_order(self, epoch: int) -> np.ndarray:
         n = len(self._urows)
@@ -509,17 +506,11 @@ class ParquetSource:
     def _drop_buffer(self) -> None:
         self._table, self._perm, self._pending, self._pending_start = None, None, [], None
 
-    def _close_file(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            handle[1].close()
-
     def close(self) -> None:
-        """Release the decoded row group and the open file handle (iteration reopens as needed); log
-        the skips not yet summed up."""
+        """Release the decoded row group (iteration reads it again as needed); log the skips not yet
+        summed up."""
         self.skips.flush()
         self._drop_buffer()
-        self._close_file()
 
     def __enter__(self) -> "ParquetSource":
         return self
