@@ -239,69 +239,97 @@ def mixing_table(data: dict) -> list[str]:
 
 
 def memory_table(data: dict) -> list[str]:
-    m, c = data["machine"], data["config"]
-    plane, client = data["library_fit"]["plane"]["steady"], data["library_fit"]["client"]["steady"]
-    worst = max(abs(r["mib"]) for r in plane["residuals"])
-    procs = " or ".join(str(n) for n in sorted({x["role_processes"] for x in data["library_measured"]}))
+    m = data["machine"]
+    # a result from before the row-group-size dimension is one size
+    sizes = data.get("sizes") or [{**data, "row_group_mib": data["config"]["row_group_kib"] / 1024, "skipped": {}}]
+    runs = [x for z in sizes for x in z["library_measured"]]
+    procs = " or ".join(str(n) for n in sorted({x["role_processes"] for x in runs}))
     lines = [f"**Memory** (`python benchmarks/memory.py`, {data['date']}, {m['cores']} cores, {m['memory_gib']} GiB): "
              f"a `DataLoader` per trainer rank (W workers, each opening all S sources) against `OverlordLoader("
              f"runtime=\"rpc\")` at its default placement (the Planner, a Source Loader per source and a Data "
              f"Constructor per DP group as actors in {procs} worker process(es) on this machine), the same Parquet "
-             f"reading (row groups of {c['rows_per_row_group']} rows, ~"
-             f"{c['row_group_kib']} KiB) and tokenizing. Sum of anonymous PSS (`Pss_Anon + Pss_Shmem`, smaps_rollup) "
-             f"over every process, the trainer's own imports excluded; shared-library pages left out (every rank maps "
-             f"them either way). *colocated*: one rank measured, times D x CP x PP ranks; *library*: the roles "
-             f"measured at S in {c['library_sources']}"
-             + "".join(f" and S={s} (D={d})" for s, d in c.get("library_extra", [])) +
-             f" (else fitted from per-unit costs), plus one client per "
-             f"rank. "
-             f"Peaks add per-unit peaks (an upper bound). Plot: `benchmarks/results/memory.png`.", "",
+             f"reading and tokenizing, with row groups of "
+             + ", ".join(f"{z['row_group_mib']:g}" for z in sizes) + " MiB of text. Sum of anonymous PSS "
+             f"(`Pss_Anon + Pss_Shmem`, smaps_rollup) over every process, the trainer's own imports excluded; "
+             f"shared-library pages left out (every rank maps them either way). *colocated*: one rank measured (where "
+             f"a rank would not fit the machine, the trainer with one worker, the rank being that plus W - 1 times the "
+             f"worker's own pages), times D x CP x PP ranks; *library*: the roles measured (else fitted from per-unit "
+             f"costs), plus one client per rank. Peaks add per-unit peaks (an upper bound). Plot: "
+             f"`benchmarks/results/memory.png`."]
+    for z in sizes:
+        lines += [""] + _memory_size(z)
+    targets = data.get("targets") or []
+    if targets:
+        lines += ["", "| target | measured | met |", "|---|---|---|"]
+        for t in targets:
+            if "max_library_mib" in t:
+                fig = (f"library {t['library_mib']['peak']:,.0f} MiB peak, {t['library_mib']['steady']:,.0f} MiB "
+                       f"steady (measured)" if "library_mib" in t else t.get("why", ""))
+            else:
+                fig = (f"{t['ratio']['steady']:.2f}x steady, {t['ratio']['peak_running']:.2f}x peak after start-up, "
+                       f"{t['ratio']['peak']:.2f}x peak (library {t['library_mib']['steady']:,.0f} MiB, "
+                       f"{t['library_roles']}; colocated {t['colocated_mib']['steady']:,.0f} MiB)"
+                       if "ratio" in t else t.get("why", ""))
+            lines.append(f"| {t['name']} | {fig} | {'yes' if t['met'] else 'no'} |")
+    cf = [x["file_mib"]["steady"] for z in sizes for x in z["colocated_measured"]]
+    lf = [x["file_mib"]["steady"] for x in runs]
+    if cf and lf:
+        lines += ["", f"Left out of the totals: file-backed PSS the runs faulted in (library code pages), "
+                      f"{min(cf):.0f}-{max(cf):.0f} MiB per colocated rank and {min(lf):.0f}-{max(lf):.0f} MiB per "
+                      f"library job; every process on a node shares them, so they count once per node on either side. "
+                      f"1-minute load {m.get('load_avg_1m_at_start', '?')} at the start, {m['load_avg_1m']} at the end: "
+                      f"load slows the runs, not the anonymous memory they hold."]
+    return lines
+
+
+def _memory_size(z: dict) -> list[str]:
+    """One row-group size: its rows, crossovers, per-source costs, start-up times and skips."""
+    c = z["config"]
+    extra = "".join(f" and S={s} (D={d})" for s, d in c.get("library_extra", []))
+    lines = [f"*Row groups of {z['row_group_mib']:g} MiB* ({c['rows_per_row_group']} rows; library jobs measured at "
+             f"S in {c['library_sources']}{extra}):", "",
              "| S | D x W | CP x PP | colocated peak / steady (MiB) | library peak / steady (MiB) | ratio (steady) | "
              "how |", "|---:|---|---|---:|---:|---:|---|"]
-    for r in data["rows"]:
+    for r in z["rows"]:
         col, lib = r["colocated_mib"], r["library_mib"]
+        one = "" if r.get("colocated_how", "rank measured") == "rank measured" else "; colocated from one worker"
         lines.append(f"| {r['sources']} | {r['dp']} x {r['workers']} | {r['cp']} x {r['pp']} | {col['peak']:,.0f} / "
                      f"{col['steady']:,.0f} | {lib['peak']:,.0f} / {lib['steady']:,.0f} | "
-                     f"{r['ratio']['steady']:.2f}x | derived x{r['ranks']} ranks; roles {r['library_roles']} |")
+                     f"{r['ratio']['steady']:.2f}x | derived x{r['ranks']} ranks; roles {r['library_roles']}{one} |")
     lines.append("")
-    for x in data["crossover"]:
+    for x in z["crossover"]:
         st = x["steady"]
         where = (f"from S={st['smallest_swept_s']} of the swept S" if st["library_wins_at"]
                  else "at none of the swept S")
         fit = st["crossover_s_fitted"]
-        lines.append(f"- D={x['dp']}, W={x['workers']}, CP x PP={x['cp']} x {x['pp']}: the library uses less {where} "
-                     f"(lines fitted in S: {fit if isinstance(fit, str) else f'cross at S = {fit:.0f}'}); steady ratio "
-                     f"{st['ratio_at_smallest_s']:.2f}x at S={data['rows'][0]['sources']}, "
-                     f"{st['ratio_at_largest_s']:.2f}x at the largest S.")
-    best = max(data["rows"], key=lambda r: r["ratio"]["steady"])
-    top = max(r["sources"] for r in data["rows"])
-    lines.append(f"- Largest steady ratio {best['ratio']['steady']:.1f}x (S={best['sources']}, D={best['dp']}, "
-                 f"W={best['workers']}, CP x PP={best['cp']} x {best['pp']}); the paper reports up to "
-                 f"{data['paper_ratio']}x.")
-    u = data["per_source"]
-    lines.append(f"- Per source (steady): every colocated worker holds {u['colocated_mib_per_worker_per_source']:.2f} "
-                 f"MiB more (its reader and row group); the library pays {u['library_mib_per_loader']:.1f} MiB per "
-                 f"Source Loader, so its per-source cost is the smaller once D x CP x PP x W > "
-                 f"{u['break_even_workers']:.0f}. Fitted over the measured jobs (residuals within {worst:.0f} MiB): "
-                 f"{u['library_mib_per_loader']:.1f} MiB per loader"
-                 + (f", {u['library_mib_per_constructor']:.1f} MiB per Data Constructor"
-                    if u.get("library_mib_per_constructor") is not None else "")
-                 + f", {u['library_mib_once']:.0f} MiB once (mostly the fork server's preloaded torch, shared by the "
-                   f"roles), and {client['coef']['intercept'] + client['coef']['per_source'] * top:.0f} MiB per "
-                   f"trainer rank's client at S={top}.")
-    cf = [x["file_mib"]["steady"] for x in data["colocated_measured"]]
-    lf = [x["file_mib"]["steady"] for x in data["library_measured"]]
-    lines.append(f"- Left out of the totals: file-backed PSS the runs faulted in (library code pages), "
-                 f"{min(cf):.0f}-{max(cf):.0f} MiB per colocated rank and {min(lf):.0f}-{max(lf):.0f} MiB per library "
-                 f"job; every process on a node shares them, so they count once per node on either side. 1-minute load "
-                 f"{m.get('load_avg_1m_at_start', '?')} at the start, {m['load_avg_1m']} at the end (the largest job "
-                 f"alone runs {max(x['role_processes'] for x in data['library_measured'])} role processes on "
-                 f"{m['cores']} cores): load slows the runs, not the anonymous memory they hold.")
-    chk = data.get("library_mesh_check")
+        fit = ("" if fit is None else
+               f" (lines fitted in S: {fit if isinstance(fit, str) else f'cross at S = {fit:.0f}'})")
+        lines.append(f"- D={x['dp']}, W={x['workers']}, CP x PP={x['cp']} x {x['pp']}: the library uses less {where}"
+                     f"{fit}; steady ratio {st['ratio_at_smallest_s']:.2f}x at the smallest S, "
+                     f"{st['ratio_at_largest_s']:.2f}x at the largest.")
+    u = z.get("per_source") or {}
+    if u:
+        lines.append(f"- Per source (steady): every colocated worker holds {u['colocated_mib_per_worker_per_source']:.2f}"
+                     f" MiB more (its reader and row group); the library pays {u['library_mib_per_loader']:.1f} MiB per "
+                     f"Source Loader, so its per-source cost is the smaller once D x CP x PP x W > "
+                     f"{u['break_even_workers']:.0f}"
+                     + (f"; {u['library_mib_per_constructor']:.1f} MiB per Data Constructor"
+                        if u.get("library_mib_per_constructor") is not None else "")
+                     + f"; {u['library_mib_once']:.0f} MiB once (the fork server's preloaded torch and a role "
+                       f"process's own).")
+    runs = sorted(z["library_measured"], key=lambda x: (x["sources"], x["dp"]))
+    if runs and "startup_s" in runs[0]:
+        lines.append("- Start-up to the first batch (sources profiled beforehand, journal warm): "
+                     + ", ".join(f"S={x['sources']} D={x['dp']} {x['startup_s']:.0f} s" for x in runs)
+                     + "; the cold profile took " + ", ".join(f"{x['profile']['seconds']:.1f} s (S={x['sources']})"
+                                                           for x in runs if x.get("profile")) + ".")
+    chk = z.get("library_mesh_check")
     if chk:
         lines.append(f"- CP/PP do not change the roles: at S={chk['sources']}, D={chk['dp']} the roles hold "
                      f"{chk['plane_mib']['steady']:,.0f} MiB steady on a CP x PP={chk['cp']} x {chk['pp']} mesh "
                      f"against {chk['plane_mib_cp1_pp1']['steady']:,.0f} MiB with CP x PP=1 x 1 (measured).")
+    for name, why in z.get("skipped", {}).items():
+        lines.append(f"- Not measured: {name}: {why}.")
     return lines
 
 

@@ -173,8 +173,9 @@ def test_buffer_holds_one_row_group_not_the_file(tmp_path):
     m = json.loads(out.stdout.strip().splitlines()[-1])
     assert group_nbytes * 0.9 <= m["seen"] <= group_nbytes
     # per row group, what stays allocated while it is served (its least sample: Arrow's reader
-    # threads can still hold a decode buffer for a moment after a read, seen as 3x once in ~10 runs)
-    assert max(min(samples) for samples in m["held"]) <= 1.5 * group_nbytes
+    # threads can still hold a decode buffer for a moment after a read, seen as 3x once in ~10 runs):
+    # the decoded row group alone, not also the column chunks a reader pre-buffered (1.12x here)
+    assert max(min(samples) for samples in m["held"]) <= 1.05 * group_nbytes
     assert m["seen"] < file_nbytes / 10
     assert m["end"] == 0  # released at the end
 
