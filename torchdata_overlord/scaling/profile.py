@@ -87,21 +87,9 @@ def source_key(source) -> str | None:
 
 
 def _layout(source) -> tuple[int, int]:
-    """(row groups, largest row group's uncompressed bytes of the projected columns from the footers).
-
-    Neither is in the Source protocol: read from a ParquetSource's opened footers (a FileSource has
-    one unit per file and no footer sizes); any other source is one unit of unknown size."""
-    if not isinstance(source, ParquetSource):
-        return 1, 0
-    units, biggest = 0, 0
-    for f in source._files:
-        units += sum(1 for n in f.groups if n)
-        for rg in range(f.meta.num_row_groups if f.meta is not None else 0):
-            g = f.meta.row_group(rg)
-            cols = (g.column(i) for i in range(g.num_columns))
-            biggest = max(biggest, sum(c.total_uncompressed_size for c in cols
-                                       if source.columns is None or c.path_in_schema.split(".")[0] in source.columns))
-    return max(units, 1), biggest
+    """(units a data-parallel split can share out, bytes of a row group when known without reading it:
+    0, the profile measures it). A source that cannot be split is one unit."""
+    return (max(int(source.units), 1), 0) if isinstance(source, ParquetSource) else (1, 0)
 
 
 def profile_source(source, rows: int = 128, time_limit: float = 2.0) -> SourceProfile:
@@ -144,13 +132,13 @@ def profile_source(source, rows: int = 128, time_limit: float = 2.0) -> SourcePr
     finally:
         source.load_state_dict(state)
         source.rows_passed = passed
-    units, footer_bytes = _layout(source)
+    units, known_bytes = _layout(source)
     total_rows = getattr(source, "num_rows", None)
     group_rows = total_rows / units if total_rows else 1
     read_s = read_plain / max(plain_calls, 1) + (read_decode / decodes / group_rows if decodes else 0.0)
     return SourceProfile(
         name=source.name, transform_s=statistics.median(ok_times or apply_times or [0.0]), read_s=read_s,
-        sample_bytes=int(statistics.fmean(sizes)) if sizes else 0, group_bytes=int(group_bytes or footer_bytes),
+        sample_bytes=int(statistics.fmean(sizes)) if sizes else 0, group_bytes=int(group_bytes or known_bytes),
         rows=total_rows, units=units, splittable=isinstance(source, ParquetSource), measured_rows=len(apply_times),
         key=source_key(source), skipped=len(apply_times) - len(ok_times))
 
