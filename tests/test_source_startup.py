@@ -351,3 +351,27 @@ def test_footers_on_a_non_local_filesystem_are_read_in_parallel_with_the_same_re
         ("b.parquet", "ConfigError"), ("c.parquet", "ConfigError")]
     assert "has no column(s) ['gid']" in skip.skipped[1]["error"]
     assert skip.num_rows == 23 + 11 and skip.files == [scheme + str(d / n) for n in ("a.parquet", "d.parquet")]
+
+
+def test_a_state_of_many_files_carries_their_digest_and_refuses_another_file_set(tmp_path):
+    """Beyond FILES_LISTED files a state says their count, rows and digest, not every file: it is taken
+    for every buffered sample and travels with every step, so at 100,000 files a list made each one MBs."""
+    from torchdata_overlord.errors import ConfigError
+    from torchdata_overlord.sources.parquet import FILES_LISTED
+
+    d = tmp_path / "many"
+    d.mkdir()
+    for i in range(FILES_LISTED + 6):
+        pq.write_table(pa.table({"x": list(range(i, i + 3))}), d / f"f{i:03d}.parquet")
+    src = ParquetSource("s", str(d / "*.parquet"), metadata_cache=False)
+    for _ in range(5):
+        next(src)
+    state = src.state_dict()
+    files = state["fingerprint"]["files"]
+    assert files["count"] == FILES_LISTED + 6 and files["rows"] == src.num_rows and len(files["sha256"]) == 64
+    again = ParquetSource("s", str(d / "*.parquet"), metadata_cache=False)
+    again.load_state_dict(state)
+    assert take(again, 7) == take(src, 7)
+    (d / "f003.parquet").unlink()
+    with pytest.raises(ConfigError, match="file set differs from the state's"):
+        ParquetSource("s", str(d / "*.parquet"), metadata_cache=False).load_state_dict(state)

@@ -31,7 +31,10 @@ Design, in brief:
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import itertools
+import json
 import operator
 import os
 import re
@@ -226,6 +229,19 @@ def _columns(columns, transform) -> list[str] | None:
 # --------------------------------------------------------------------------------------------
 # the source
 # --------------------------------------------------------------------------------------------
+
+FILES_LISTED = 64   # a state lists at most this many files in its fingerprint; beyond, their count and digest
+
+
+def _files_fingerprint(files: list, listed: int = FILES_LISTED):
+    """What a state says of the file set: ``[[path, bytes, rows], ...]`` for a few files (a mismatch names
+    the first different one); for more, ``{"count", "rows", "sha256"}``, so a state of a source of 100,000
+    files stays small (it is taken for every buffered sample and travels with every step)."""
+    if len(files) <= listed:
+        return [list(x) for x in files]
+    blob = json.dumps([list(x) for x in files], separators=(",", ":")).encode()
+    return {"count": len(files), "rows": int(sum(x[2] for x in files)), "sha256": hashlib.sha256(blob).hexdigest()}
+
 
 class ParquetSource:
     """One source's Parquet files as an iterator of ``(sample_key, record)``, resumable exactly
@@ -467,6 +483,7 @@ class ParquetSource:
         self._fingerprint = {
             "name": self.name, "seed": self.seed, "shuffle": self.shuffle, "columns": self.columns,
             "files": [[f, z, r] for f, z, r in zip(t.shown, t.size, file_rows.tolist())]}
+        self._state_files = _files_fingerprint(self._fingerprint["files"])
 
     # ---- position ---------------------------------------------------------------------------
 
@@ -521,7 +538,7 @@ class ParquetSource:
         return {"epoch": self.epoch, "unit": self._unit, "row": self._row, "units": len(self._urows),
                 "ahead": [[g, r] for g, r in sorted(self._ahead.items())],
                 "fingerprint": {**fp, "columns": None if fp["columns"] is None else list(fp["columns"]),
-                                "files": [list(x) for x in fp["files"]]}}
+                                "files": copy.deepcopy(self._state_files)}}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where ``state`` was taken; refuses (ConfigError) a state of another config."""
@@ -550,7 +567,17 @@ class ParquetSource:
             if fp.get(k) != mine[k]:
                 raise ConfigError(f"source {self.name!r}: state was taken with {k}={fp.get(k)!r}, this source "
                                   f"has {k}={mine[k]!r}; restore with the same configuration")
-        if fp.get("files") == mine["files"]:            # the usual case, compared without copying 100,000s
+        if fp.get("files") == self._state_files or fp.get("files") == mine["files"]:      # the usual case
+            return
+        if isinstance(fp.get("files"), dict) or isinstance(self._state_files, dict):
+            theirs = fp.get("files")
+            theirs = theirs if isinstance(theirs, dict) else _files_fingerprint(theirs or [], listed=0)
+            ours = _files_fingerprint(mine["files"], listed=0)
+            if theirs != ours:
+                raise ConfigError(f"source {self.name!r}: file set differs from the state's ({theirs.get('count')} "
+                                  f"files of {theirs.get('rows')} rows, sha256 {str(theirs.get('sha256'))[:12]}; now "
+                                  f"{ours['count']} files of {ours['rows']} rows, sha256 {ours['sha256'][:12]}, over "
+                                  f"[path, bytes, rows] of every file). Restore over the same files.")
             return
         theirs = [list(x) for x in fp.get("files") or []]
         ours = [list(x) for x in mine["files"]]
