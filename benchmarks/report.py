@@ -385,9 +385,10 @@ def autoscaling_table(data: dict) -> list[str]:
 def startup_table(data: dict) -> list[str]:
     m, c, runs = data["machine"], data["config"], data["runs"]
     lines = [f"**Start-up** (`python benchmarks/startup.py`, {data['date']}, {m['cores']} cores, {m['memory_gib']} GiB, "
-             f"1-minute load {m.get('load_avg_1m_at_start', '?')} at the start): one source of {c['files']:,} Parquet "
-             f"files of {c['rows']} rows; medians of {c['repeat']} runs, each a fresh process; target: the first step "
-             f"within {data['target_s']:g} s in both runtimes with the file-metadata journal written.", "",
+             f"1-minute load {m.get('load_avg_1m_at_start', '?')} at the start and {m['load_avg_1m']} at the end): one "
+             f"source of {c['files']:,} Parquet files of {c['rows']} rows, global batch {c['global_batch']}; medians "
+             f"of {c['repeat']} runs, each a fresh process (the parts are medians of their own); target: the first "
+             f"step within {data['target_s']:g} s in both runtimes with the file-metadata journal written.", "",
              "| run | seconds | footers read |", "|---|---:|---:|"]
     for name, label in (("construct_cold", "`ParquetSource(...)`, no journal"),
                         ("construct_warm", "`ParquetSource(...)`, journal written")):
@@ -403,6 +404,10 @@ def startup_table(data: dict) -> list[str]:
             if r:
                 lines.append(f"| to the first batch, {runtime}, {label} (source {r['open_s']:.2f} s + loader "
                              f"{r['loader_s']:.2f} s) | {r['total_s']:.2f} | {r['footers_read']:,} |")
+    warm = runs.get("construct_warm")
+    if warm:
+        lines += ["", f"One `state_dict()` of this source takes {warm['state_dict_s']:.2f} s (it copies the "
+                      f"{c['files']:,}-entry file fingerprint); a Source Loader takes one per row it buffers."]
     many = [(s, runs.get(f"many_local_{s}"), runs.get(f"many_rpc_{s}")) for s in c["sources"]]
     if any(lo or rp for _, lo, rp in many):
         lines += ["", f"Start-up to the first batch with S ordinary sources (2 files of 2 row groups of "

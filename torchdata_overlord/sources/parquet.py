@@ -257,7 +257,9 @@ class ParquetSource:
     whose every row is skipped raises rather than cycling forever.
     ``iter()`` continues from the current position; use :meth:`load_state_dict` to rewind. When a
     transform raises (on_error="raise") the position stays on that sample, so a state taken then
-    resumes at it.
+    resumes at it. ``metadata_cache``: the folder of the file-metadata journal (None: the default
+    folder, False: none; see :mod:`~torchdata_overlord.sources.metadata_cache`); :attr:`metadata_reads`
+    counts the files whose footer this opening read. ``file_table`` comes from :meth:`spec_args`.
     """
 
     FORMAT = "Parquet"
