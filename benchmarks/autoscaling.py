@@ -98,6 +98,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
 import torchdata_overlord as ol  # noqa: E402
+from torchdata_overlord.sim.fault_run import digest  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -300,25 +301,6 @@ class Sampler(threading.Thread):
             self._done.set()
             self.join(timeout=30)
             self.sweep()
-
-
-def digest(x, h) -> None:
-    """blake2b over every tensor's dtype, shape and bytes and every scalar, in a fixed order."""
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        h.update(f"T{x.dtype}{tuple(x.shape)}".encode())
-        h.update(x.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    elif isinstance(x, dict):
-        for k in sorted(x, key=str):
-            h.update(f"K{k}".encode())
-            digest(x[k], h)
-    elif isinstance(x, (list, tuple)):
-        h.update(f"L{len(x)}".encode())
-        for v in x:
-            digest(v, h)
-    else:
-        h.update(f"V{x!r}".encode())
 
 
 def samples_of(item: dict) -> int:
