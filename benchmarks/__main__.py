@@ -5,7 +5,7 @@ regenerates the README's results block from ``benchmarks/results/*.json``. ``--q
 script's CI smoke size and writes its JSON under a temporary folder instead (the README keeps the
 full figures). Exits non-zero if any script failed; ``--only`` picks scripts by name.
 
-    python -m benchmarks                # every figure (~30 minutes on 2 cores)
+    python -m benchmarks                # every figure (~60 minutes on 2 cores)
     python -m benchmarks --quick        # smoke: does everything still run?
     python -m benchmarks --only balance mixing_accuracy
 """

@@ -23,8 +23,9 @@ anonymous PSS by kind of mapping (``anon_breakdown``) and its thread count.
   Measured: one rank, in a fresh process (the trainer plus W forked workers), warmed up until every
   worker has drawn from every source (so each holds S row groups). Where the rank would not fit the
   memory guard, the trainer with one worker is measured and the rank is that plus W - 1 times the
-  worker's own pages (its anonymous pages not shared with the trainer; ``how``). Derived: a job of D x CP x PP ranks runs one such DataLoader per rank (the
-  parallelism redundancy: CP and PP ranks load the same data again), so its total is ranks x the rank.
+  worker's own pages (its anonymous pages not shared with the trainer; ``how``). Derived: a job of
+  D x CP x PP ranks runs one such DataLoader per rank (the parallelism redundancy: CP and PP ranks
+  load the same data again), so its total is ranks x the rank.
 * this library: ``OverlordLoader(runtime="rpc", rank=None)`` on a ``dp=D`` mesh at its default
   placement (``placement="auto"``: the Planner, one Source Loader per source and one Data Constructor
   per DP group as actors in as many worker processes as the cores the trainer leaves free), forked
@@ -39,11 +40,12 @@ anonymous PSS by kind of mapping (``anon_breakdown``) and its thread count.
   + ranks x client. For an (S, D) not measured, plane and client come from per-unit costs fitted
   over the size's measured jobs (least squares: intercept + per source x S + per DP group x D;
   coefficients and residuals in the JSON) and the row says ``fitted`` (``extrapolated`` beyond every
-  measured S); with too few jobs to fit, such rows are left out.
+  measured S). A row needs a measured colocated rank and a measured or fitted library.
 
 Memory guard: a run whose estimated footprint exceeds what the machine can spare (``MEMORY_GUARD``)
-is not started (a colocated rank falls back to one worker first), and a run during which
-``MemAvailable`` falls below the floor is killed; both are listed under ``skipped`` with the reason.
+is not started (a colocated rank falls back to one worker first; no corpus is written for an S too
+large for any run), and a run during which ``MemAvailable`` falls below the floor is killed; both
+are listed under ``skipped`` with the reason.
 Derived peaks add per-unit peaks, as if every unit peaked at once (an upper bound, on both sides).
 Prints a table per size and the targets, writes ``benchmarks/results/memory.json`` and ``memory.png``;
 exits non-zero if a run failed or left a process behind, never because a figure disappointed.
@@ -87,8 +89,9 @@ SIZES = {
              "files": 2, "row_groups": 2}],
         [16, {"sources": [10, 100, 300], "dw": [[4, 2], [8, 4]], "cp_pp": _CP_PP, "library_sources": [10, 100],
               "library_extra": [[300, 8]], "library_mesh_check": None, "files": 1, "row_groups": 2}],
-        [None, {"sources": [100], "dw": [[4, 2]], "cp_pp": _CP_PP, "library_sources": [100], "library_extra": [],
-                "library_mesh_check": None, "files": 1, "row_groups": 1}]]},
+        # S=300 is here to say that it does not fit this machine (the guard skips it, in the JSON)
+        [None, {"sources": [100, 300], "dw": [[4, 2]], "cp_pp": _CP_PP, "library_sources": [100],
+                "library_extra": [[300, 4]], "library_mesh_check": None, "files": 1, "row_groups": 1}]]},
     "quick": {"row_group_mib": [0.0625, 0.25], "plans": [
         [0.0625, {"sources": [4, 10], "dw": [[4, 2]], "cp_pp": [[1, 1], [4, 4]], "library_sources": [4, 10],
                   "library_extra": [], "library_mesh_check": None, "files": 2, "row_groups": 2}],
@@ -819,7 +822,10 @@ def sweep(size: str, mib: float, base_root: Path, interval: float, errors: dict)
     from torchdata_overlord.sim.corpus import default_corpus_root
 
     plan = plan_for(size, mib)
-    n_max = max(plan["sources"] + plan["library_sources"] + [s for s, _ in plan["library_extra"]])
+    # no corpus for an S whose every run (one copy of its row groups at least) would be skipped anyway
+    room_now = spare_mib()
+    wanted = sorted(set(plan["sources"] + plan["library_sources"] + [s for s, _ in plan["library_extra"]]))
+    n_max = max([s for s in wanted if expected_mib(mib, s, 1, 2) <= room_now] or wanted[:1])
     root = (base_root or default_corpus_root().parent / f"memory-corpus-{size}") / f"rg-{mib:g}mib"
     print(f"\n=== row groups of {mib:g} MiB ===", flush=True)
     corpus = build_corpus(root, n_max, mib, plan["files"], plan["row_groups"])
@@ -831,6 +837,10 @@ def sweep(size: str, mib: float, base_root: Path, interval: float, errors: dict)
     def attempt(name, kind, cfg, into, expect):
         t0 = time.perf_counter()
         try:
+            if cfg["sources"] > n_max:
+                raise Skipped(f"not started: one copy of its row groups alone was expected to take "
+                              f"~{expected_mib(mib, cfg['sources'], 1, 2):,.0f} MiB, the machine could spare "
+                              f"{room_now:,.0f} MiB (its corpus was not written)")
             room = spare_mib()
             if expect > room:
                 raise Skipped(f"not started: expected ~{expect:,.0f} MiB, the machine can spare {room:,.0f} MiB now")
@@ -870,11 +880,13 @@ def sweep(size: str, mib: float, base_root: Path, interval: float, errors: dict)
         with tempfile.TemporaryDirectory(prefix="overlord-mem-cache-") as cache:
             cfg = dict(lib, files=files[:s], sources=s, dp=d, cp=cp, pp=pp, cache=cache)
             expect = expected_mib(mib, s, 1, 3) + MEMORY_GUARD["library_fixed_mib"]
-            got: list = []
-            if not attempt(f"profile S={s}", "profile", cfg, got, expected_mib(mib, 8, 1, 1)):
-                continue
             name = _lib_name(s, d) + (f" CP={cp} PP={pp} (every rank's output fetched by this trainer)"
                                       if (cp, pp) != (1, 1) else "")
+            got: list = []
+            if not attempt(f"profile S={s}", "profile", cfg, got, expected_mib(mib, 8, 1, 1)):
+                if f"profile S={s}" in skipped:
+                    skipped[name] = skipped.pop(f"profile S={s}")
+                continue
             into = mesh_check if (cp, pp) != (1, 1) else library
             if attempt(name, "library", cfg, into, expect):
                 into[-1]["profile"] = got[0]

@@ -274,8 +274,9 @@ def memory_table(data: dict) -> list[str]:
     cf = [x["file_mib"]["steady"] for z in sizes for x in z["colocated_measured"]]
     lf = [x["file_mib"]["steady"] for x in runs]
     if cf and lf:
-        lines += ["", f"Left out of the totals: file-backed PSS the runs faulted in (library code pages), "
-                      f"{min(cf):.0f}-{max(cf):.0f} MiB per colocated rank and {min(lf):.0f}-{max(lf):.0f} MiB per "
+        lines += ["", f"Left out of the totals: the change in file-backed PSS (library code pages faulted in, less "
+                      f"the trainer's pages forked workers now share), "
+                      f"{min(cf):.0f} to {max(cf):.0f} MiB per colocated rank and {min(lf):.0f} to {max(lf):.0f} MiB per "
                       f"library job; every process on a node shares them, so they count once per node on either side. "
                       f"1-minute load {m.get('load_avg_1m_at_start', '?')} at the start, {m['load_avg_1m']} at the end: "
                       f"load slows the runs, not the anonymous memory they hold."]
@@ -297,7 +298,8 @@ def _memory_size(z: dict) -> list[str]:
                      f"{col['steady']:,.0f} | {lib['peak']:,.0f} / {lib['steady']:,.0f} | "
                      f"{r['ratio']['steady']:.2f}x | derived x{r['ranks']} ranks; roles {r['library_roles']}{one} |")
     lines.append("")
-    for x in z["crossover"]:
+    swept = sorted({r["sources"] for r in z["rows"]})
+    for x in z["crossover"] if len(swept) > 1 else []:
         st = x["steady"]
         where = (f"from S={st['smallest_swept_s']} of the swept S" if st["library_wins_at"]
                  else "at none of the swept S")
@@ -305,8 +307,8 @@ def _memory_size(z: dict) -> list[str]:
         fit = ("" if fit is None else
                f" (lines fitted in S: {fit if isinstance(fit, str) else f'cross at S = {fit:.0f}'})")
         lines.append(f"- D={x['dp']}, W={x['workers']}, CP x PP={x['cp']} x {x['pp']}: the library uses less {where}"
-                     f"{fit}; steady ratio {st['ratio_at_smallest_s']:.2f}x at the smallest S, "
-                     f"{st['ratio_at_largest_s']:.2f}x at the largest.")
+                     f"{fit}; steady ratio {st['ratio_at_smallest_s']:.2f}x at S={swept[0]}, "
+                     f"{st['ratio_at_largest_s']:.2f}x at S={swept[-1]}.")
     u = z.get("per_source") or {}
     if u:
         lines.append(f"- Per source (steady): every colocated worker holds {u['colocated_mib_per_worker_per_source']:.2f}"
