@@ -46,6 +46,15 @@ def record_bytes(record: Any) -> int:
     return 8
 
 
+def _same_state(a: Any, b: Any) -> bool:
+    """Equal states, lists and tuples alike (a state that travelled may have either)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 class SourceLoader(BaseNode[tuple]):
     """``SourceLoader(source, buffer_size, workers=0)`` over any :class:`~torchdata_overlord.Source`.
 
@@ -93,6 +102,12 @@ class SourceLoader(BaseNode[tuple]):
         self.epochs_started = list(state[self.EPOCH_LOG])
         self._base_state = self.source.state_dict()
         self._productive_at = self.source.rows_passed   # where the last read round buffered something
+
+    def holds(self, state: dict) -> bool:
+        """Whether the buffer is already what ``reset(state)`` would rebuild by re-reading (``state`` is
+        this loader's own, nothing taken since): a start that loads the state the warm-up filled from
+        keeps the buffer instead of reading and transforming it again."""
+        return bool(self._buffer) and _same_state(state, self.get_state())
 
     def next(self) -> tuple[int, Any]:
         """The oldest buffered sample, taken out of the buffer (stream use of the node)."""

@@ -27,22 +27,26 @@ def serving(job) -> tuple[dict[str, str], dict]:
 def job_stats(job) -> dict:
     """See :meth:`~.client.Job.stats`."""
     roles, info = serving(job)
-    futs = {}
-    for r, a in roles.items():
-        ref = ActorRef(job.transport, a, job.timeout)
-        futs["stats", r], futs["process", r] = ref.stats(), ref.process()
-    cf.wait(list(futs.values()), timeout=job.timeout + 5)
+    refs = {r: ActorRef(job.transport, a, job.timeout) for r, a in roles.items()}
     got, unanswered = {}, {}
-    for (kind, r), fut in futs.items():
-        try:
-            got[kind, r] = fut.result(timeout=0)
-        except (ActorDied, CallTimeout, cf.TimeoutError) as e:   # a busy or failed role: said, not raised
-            unanswered[r] = f"{type(e).__name__}: {e}"
+
+    def ask(futs: dict) -> None:
+        cf.wait(list(futs.values()), timeout=job.timeout + 5)
+        for (kind, r), fut in futs.items():
+            try:
+                got[kind, r] = fut.result(timeout=0)
+            except (ActorDied, CallTimeout, cf.TimeoutError) as e:   # a busy or failed role: said, not raised
+                unanswered[r] = f"{type(e).__name__}: {e}"
+
+    ask({(kind, r): ref.stats() if kind == "stats" else ref.process(detail=False)
+         for r, ref in refs.items() for kind in ("stats", "pid")})
+    pids = {r: got["pid", r]["pid"] for r in roles if ("pid", r) in got}
+    one_role = {pid: r for r, pid in pids.items() if pid != os.getpid()}       # memory once per process
+    ask({("process", r): refs[r].process() for r in one_role.values()})
 
     def of(r):
         return got.get(("stats", r)) or {"error": unanswered.get(r, "no answer")}
 
-    pids = {r: got["process", r]["pid"] for r in roles if ("process", r) in got}
     procs = {m["pid"]: m for (kind, _), m in got.items() if kind == "process"}
     procs[os.getpid()] = process_memory()
     spare_pids = job.transport.worker_pids[job.n_workers:] if job.client == 0 and job.spares else []

@@ -250,16 +250,17 @@ def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1, spare
     def start(name, factory, *args):
         transport.start_actor(name, factory, *args, worker=where[name])
 
-    start(PLANNER, PlannerActor, cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names, cfg.constructors,
-          cfg.clients, cfg.timeout, peers, policy, cfg.parts.to_dict(),
-          None if cfg.autoscale is None else cfg.autoscale.bind(cfg.plan))
-    loaders = []
+    actors = [(PLANNER, PlannerActor, (cfg.strategy, cfg.mesh, cfg.global_batch, cfg.seed, cfg.names,
+                                       cfg.constructors, cfg.clients, cfg.timeout, peers, policy, cfg.parts.to_dict(),
+                                       None if cfg.autoscale is None else cfg.autoscale.bind(cfg.plan)))]
     for key in cfg.parts.keys:
         args = policy.loader_actor_args(cfg.parts.source_of(key), peers, cfg.parts.shard_of(key))
-        loaders += [(loader_actor(key), args)] + ([(shadow_actor(key), args)] if cfg.shadows else [])
-    # each Source Loader opens its source where it starts (file listing, footers): start them together
-    with cf.ThreadPoolExecutor(min(16, len(loaders)), thread_name_prefix="overlord-start") as pool:
-        for fut in [pool.submit(start, name, LoaderActor, *args) for name, args in loaders]:
+        actors += [(loader_actor(key), LoaderActor, args)] + \
+            ([(shadow_actor(key), LoaderActor, args)] if cfg.shadows else [])
+    # each Source Loader opens its source where it starts (file table, transform): start them together,
+    # and the Planner beside them (it calls no loader before the first step)
+    with cf.ThreadPoolExecutor(min(16, len(actors)), thread_name_prefix="overlord-start") as pool:
+        for fut in [pool.submit(start, name, factory, *args) for name, factory, args in actors]:
             fut.result()
     for c in range(cfg.constructors):
         start(constructor_actor(c), ConstructorActor, c, *policy.constructor_args, peers, cfg.timeout, store,

@@ -143,7 +143,8 @@ class LoaderActor(RoleActor):
     def new_generation(self, gen: int, state: dict) -> None:
         """Start generation ``gen`` at ``state`` (a loaded checkpoint, or a rewind)."""
         self.gen, self.refill_error = gen, None
-        self.loader.reset(state)
+        if not self.loader.holds(state):    # (the first start loads the state the warm-up filled from)
+            self.loader.reset(state)
 
     def close(self) -> None:
         self.loader.close()

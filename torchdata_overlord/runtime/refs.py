@@ -53,8 +53,8 @@ class ActorRef:
     def stats(self, timeout: float | None = None) -> cf.Future:
         return self._call("stats", timeout=timeout)
 
-    def process(self, timeout: float | None = None) -> cf.Future:
-        return self._call("process", timeout=timeout)
+    def process(self, detail: bool = True, timeout: float | None = None) -> cf.Future:
+        return self._call("process", detail, timeout=timeout)
 
     def close(self, timeout: float | None = None) -> cf.Future:
         return self._call("close", timeout=timeout)

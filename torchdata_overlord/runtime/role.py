@@ -13,9 +13,12 @@ __all__ = ["RoleActor", "gather", "fail_all"]
 
 
 class RoleActor:
-    """Base of the role actors: ``process()`` is the role's process id, memory and listening sockets."""
+    """Base of the role actors: ``process()`` is the role's process id, memory and listening sockets
+    (``detail=False``: the id only, cheap: many roles share a process, whose memory is read once)."""
 
-    def process(self) -> dict:
+    def process(self, detail: bool = True) -> dict:
+        if not detail:
+            return {"pid": os.getpid()}
         return {**process_memory(os.getpid()), "listening": listening_addresses(os.getpid())}
 
 

@@ -78,9 +78,13 @@ class RpcJob(Job):
             self._pg = None if group in (True, "default") else group
             clients = dist.get_world_size(self._pg)
         sources = list(sources)
+        starts_roles = transport is None and address is None and self._rank(group) == 0
+        if starts_roles:
+            from .rpc_session import prestart_fork_server
+            prestart_fork_server()          # its torch import overlaps the profiling and placement below
         plan = self._placement(placement, sources, strategy, mesh, global_batch, seed, constructors, buffer_size,
                                checkpoint_dir, bool(shadows), n_workers, actors,
-                               starts_roles=transport is None and address is None and self._rank(group) == 0)
+                               starts_roles=starts_roles)
         cfg = RoleConfig(sources, strategy, mesh, global_batch, seq_len, seed, buffer_size, workers,
                          image_token_id, pad_id, ignore_index, constructors, clients, timeout, checkpoint_dir,
                          snapshot_every, bool(shadows), actors=actors, plan=plan, autoscale=autoscale)

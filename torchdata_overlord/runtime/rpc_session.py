@@ -28,7 +28,8 @@ from . import rpc_leave as L
 from .rpc_agent import CPP_ERRORS_ONLY, LOOPBACK_ENV, TransportStartupError, set_cpp_log_level, start_rpc, stop_rpc
 from .transport import TransportClosed
 
-__all__ = ["RpcSession", "open_spawned", "open_joined", "spawn_workers", "exited_during_start_up"]
+__all__ = ["RpcSession", "open_spawned", "open_joined", "spawn_workers", "exited_during_start_up",
+           "prestart_fork_server"]
 
 #: what the fork server imports once, so every worker (spares included) starts with it in shared pages
 PRELOAD = ["torch", "torch.distributed.rpc", "pyarrow.parquet", W.__name__, "torchdata_overlord.runtime.planner_actor",
@@ -37,6 +38,16 @@ FIRST_JOB = "0/"
 
 _LOCK = threading.Lock()                      # held while a session starts, joins, gains or loses a job
 _CURRENT: "RpcSession | None" = None
+
+
+def prestart_fork_server() -> None:
+    """Start the fork server now (it returns at once; the server imports :data:`PRELOAD`, mostly torch,
+    seconds on a small machine, in its own process), so that import overlaps what this process does
+    before it spawns the workers: profiling the sources, placing the roles."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    from multiprocessing import forkserver
+    forkserver.ensure_running()
 
 
 def spawn_workers(members: list[tuple[str, int]], rendezvous: dict, rpc_timeout: float,

@@ -30,6 +30,8 @@ log = logging.getLogger("torchdata_overlord")
 
 METHOD_VERSION = 1     # bump when what a profile measures changes: older journal entries then miss
 MIN_ROWS = 4           # rows profiled even past the time limit: one row is no median
+ROWS_PER_JOB = 4096    # rows profiled over all of a job's unjournaled sources: 128 each up to 32 sources,
+ROWS_FLOOR = 16        # fewer for more (300 sources: 16 each), so a first start-up stays seconds long
 
 
 @dataclass(frozen=True)
@@ -143,11 +145,14 @@ def profile_source(source, rows: int = 128, time_limit: float = 2.0) -> SourcePr
         key=source_key(source), skipped=len(apply_times) - len(ok_times))
 
 
-def profile_sources(sources: Iterable[Any], journal=None, rows: int = 128, time_limit: float = 2.0,
+def profile_sources(sources: Iterable[Any], journal=None, rows: int | None = None, time_limit: float = 2.0,
                     threads: int | None = None) -> dict[str, SourceProfile]:
     """Every source's profile, by name in the given order: the journal's where its key matches, else
-    measured (in parallel, ``threads`` defaulting to min(8, sources)) and written to the journal."""
+    measured (in parallel, ``threads`` defaulting to min(8, sources)) and written to the journal.
+    ``rows`` per source defaults to :data:`ROWS_PER_JOB` shared out (between :data:`ROWS_FLOOR` and 128)."""
     sources = list(sources)
+    if rows is None:
+        rows = max(ROWS_FLOOR, min(128, ROWS_PER_JOB // max(len(sources), 1)))
 
     def one(source) -> SourceProfile:
         found = journal.get(source) if journal is not None else None

@@ -98,13 +98,17 @@ def _expand(fs: pafs.FileSystem, pattern: str) -> list[tuple[str, int, int | Non
             return [(pattern, info.size, info.mtime_ns)]
         if info.type != pafs.FileType.Directory:
             return []
-        infos = fs.get_file_info(pafs.FileSelector(pattern, recursive=True))
-        return sorted((i.path, i.size, i.mtime_ns) for i in infos if i.type == file and i.path.endswith(".parquet"))
+        return sorted(x for x in _listing(fs, pattern, True) if x[0].endswith(".parquet"))
     base = pattern[:m.start()].rpartition("/")[0] or ("/" if pattern.startswith("/") else "")
-    recursive = "/" in pattern[m.start():]
-    infos = fs.get_file_info(pafs.FileSelector(base, recursive=recursive, allow_not_found=True))
     rx = _glob_regex(pattern)
-    return sorted((i.path, i.size, i.mtime_ns) for i in infos if i.type == file and rx.fullmatch(i.path))
+    return sorted(x for x in _listing(fs, base, "/" in pattern[m.start():]) if rx.fullmatch(x[0]))
+
+
+def _listing(fs: pafs.FileSystem, base: str, recursive: bool) -> list[tuple[str, int, int | None]]:
+    """The files under directory ``base`` of ``fs`` as ``(path, size, mtime_ns)``; [] if it is missing
+    (``is_file``, not ``type == FileType.File``: over 100,000 files the enum costs a third of the listing)."""
+    infos = fs.get_file_info(pafs.FileSelector(base, recursive=recursive, allow_not_found=True))
+    return [(i.path, i.size, i.mtime_ns) for i in infos if i.is_file]
 
 
 class _Listing(NamedTuple):
@@ -239,6 +243,21 @@ def _files_fingerprint(files: list, listed: int = FILES_LISTED):
     files stays small (it is taken for every buffered sample and travels with every step)."""
     if len(files) <= listed:
         return [list(x) for x in files]
+    paths, sizes, rows = zip(*files)
+    return _digest(list(paths), sizes, rows)
+
+
+def _digest(paths: list[str], sizes, rows) -> dict:
+    """``{"count", "rows", "sha256"}`` of a file set: the hash of the NUL-joined paths, then the sizes and
+    the row counts as little-endian int64 arrays."""
+    h = hashlib.sha256("\0".join(paths).encode())
+    h.update(np.asarray(sizes, "<i8").tobytes())
+    h.update(np.asarray(rows, "<i8").tobytes())
+    return {"count": len(paths), "rows": int(np.sum(np.asarray(rows, np.int64))), "sha256": h.hexdigest()}
+
+
+def _legacy_digest(files: list) -> dict:
+    """The digest states of release 2026-11-23 carried (sha256 of the file list's compact JSON)."""
     blob = json.dumps([list(x) for x in files], separators=(",", ":")).encode()
     return {"count": len(files), "rows": int(sum(x[2] for x in files)), "sha256": hashlib.sha256(blob).hexdigest()}
 
@@ -482,10 +501,15 @@ class ParquetSource:
             raise ConfigError(f"source {self.name!r} has no rows ({nfiles} usable file(s), "
                               f"{len(skipped)} skipped{first}); point it at non-empty {self.FORMAT} files")
         self.num_rows = offset  # rows per epoch
-        self._fingerprint = {
-            "name": self.name, "seed": self.seed, "shuffle": self.shuffle, "columns": self.columns,
-            "files": [[f, z, r] for f, z, r in zip(t.shown, t.size, file_rows.tolist())]}
-        self._state_files = _files_fingerprint(self._fingerprint["files"])
+        self._fingerprint = {"name": self.name, "seed": self.seed, "shuffle": self.shuffle, "columns": self.columns}
+        self._file_rows = file_rows
+        self._state_files = _files_fingerprint(self._file_list()) if nfiles <= FILES_LISTED else \
+            _digest(t.shown, t.size, file_rows)
+
+    def _file_list(self) -> list[list]:
+        """``[[path, bytes, rows], ...]`` of the usable files (built when asked: 100,000 small lists cost)."""
+        t = self._meta
+        return [[f, z, r] for f, z, r in zip(t.shown, t.size, self._file_rows.tolist())]
 
     # ---- position ---------------------------------------------------------------------------
 
@@ -569,20 +593,23 @@ class ParquetSource:
             if fp.get(k) != mine[k]:
                 raise ConfigError(f"source {self.name!r}: state was taken with {k}={fp.get(k)!r}, this source "
                                   f"has {k}={mine[k]!r}; restore with the same configuration")
-        if fp.get("files") == self._state_files or fp.get("files") == mine["files"]:      # the usual case
+        if fp.get("files") == self._state_files:      # the usual case
+            return
+        files = self._file_list()
+        if fp.get("files") == files:
             return
         if isinstance(fp.get("files"), dict) or isinstance(self._state_files, dict):
             theirs = fp.get("files")
             theirs = theirs if isinstance(theirs, dict) else _files_fingerprint(theirs or [], listed=0)
-            ours = _files_fingerprint(mine["files"], listed=0)
-            if theirs != ours:
+            ours = _files_fingerprint(files, listed=0)
+            if theirs != ours and theirs != _legacy_digest(files):
                 raise ConfigError(f"source {self.name!r}: file set differs from the state's ({theirs.get('count')} "
                                   f"files of {theirs.get('rows')} rows, sha256 {str(theirs.get('sha256'))[:12]}; now "
                                   f"{ours['count']} files of {ours['rows']} rows, sha256 {ours['sha256'][:12]}, over "
                                   f"[path, bytes, rows] of every file). Restore over the same files.")
             return
         theirs = [list(x) for x in fp.get("files") or []]
-        ours = [list(x) for x in mine["files"]]
+        ours = files
         if theirs != ours:
             i = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
             a = theirs[i] if i < len(theirs) else "nothing"
