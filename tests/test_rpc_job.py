@@ -156,6 +156,33 @@ def test_start_up_fills_every_loader_and_stats_survive_a_dead_role(corpus):
 
 
 
+def test_the_first_step_keeps_the_buffers_the_start_up_filled(corpus, reference):
+    """The start-up fills every loader, then the trainer's first ``iter()`` loads the job's initial state:
+    a loader that holds exactly that state keeps its buffer instead of reading and transforming it again
+    (S=300: 13 s of a 30 s start). Same row groups read as the local job, and the same steps."""
+    rows_read = {}
+    local = LocalJob(make_sources(corpus), vlm_strategy, make_mesh(), **job_kwargs(corpus))
+    transport = InProcessTransport()
+    job = None
+    try:
+        for j in (local, None):
+            if j is None:
+                j = job = RpcJob(make_sources(corpus), vlm_strategy, make_mesh(), transport=transport,
+                                 **job_kwargs(corpus))
+                assert all(s["buffered"] for s in job.stats()["sources"].values())          # warm already
+            j.load_state_dict(j.state_dict())            # what OverlordLoader.__iter__ does
+            got = [j.step() for _ in range(2)]
+            for r, (step, outputs, plan) in zip(got, reference[0]):
+                assert r.step == step and r.plan.to_dict() == plan
+                assert_identical(r.outputs, outputs)
+            rows_read[type(j).__name__] = {n: s["row_groups_read"] for n, s in j.stats()["sources"].items()}
+    finally:
+        local.close()
+        if job is not None:
+            job.close()
+        transport.stop()
+    assert rows_read["RpcJob"] == rows_read["LocalJob"], rows_read
+
 
 def test_a_fetch_forwarded_to_a_dead_constructor_fails_instead_of_hanging(corpus):
     """A constructor asked for ranks of another constructor's bucket forwards the fetch; when that

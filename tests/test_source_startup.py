@@ -375,3 +375,43 @@ def test_a_state_of_many_files_carries_their_digest_and_refuses_another_file_set
     (d / "f003.parquet").unlink()
     with pytest.raises(ConfigError, match="file set differs from the state's"):
         ParquetSource("s", str(d / "*.parquet"), metadata_cache=False).load_state_dict(state)
+
+
+def test_a_state_with_the_previous_releases_file_digest_still_loads(tmp_path):
+    """States of release 2026-11-23 hashed the file list's JSON; this release hashes arrays (100,000 files:
+    0.2 s -> 0.04 s). A state with the old digest loads over the same files and is refused over others."""
+    import hashlib
+
+    from torchdata_overlord.sources.parquet import FILES_LISTED
+
+    d = tmp_path / "many"
+    d.mkdir()
+    for i in range(FILES_LISTED + 2):
+        pq.write_table(pa.table({"x": list(range(i, i + 2))}), d / f"f{i:03d}.parquet")
+    src = ParquetSource("s", str(d / "*.parquet"), metadata_cache=False)
+    take(src, 3)
+    state = src.state_dict()
+    listed = [[f, os.path.getsize(f), 2] for f in sorted(str(p) for p in d.glob("*.parquet"))]
+    old = hashlib.sha256(json.dumps(listed, separators=(",", ":")).encode()).hexdigest()
+    assert state["fingerprint"]["files"]["sha256"] != old            # the digest did change
+    state["fingerprint"]["files"]["sha256"] = old
+    again = ParquetSource("s", str(d / "*.parquet"), metadata_cache=False)
+    again.load_state_dict(state)
+    assert take(again, 5) == take(src, 5)
+    pq.write_table(pa.table({"x": [7, 8, 9]}), d / "f000.parquet")      # another file set: 3 rows, not 2
+    with pytest.raises(ConfigError, match="file set differs from the state's"):
+        ParquetSource("s", str(d / "*.parquet"), metadata_cache=False).load_state_dict(state)
+
+
+def test_profiling_shares_a_row_budget_over_many_sources(tmp_path):
+    """A job's first start profiles every source: 128 rows each up to 32 sources, fewer beyond (at least
+    ROWS_FLOOR), so 300 sources cost seconds, not half a minute."""
+    from torchdata_overlord.scaling.profile import ROWS_FLOOR, ROWS_PER_JOB, profile_sources
+
+    (tmp_path / "d").mkdir()
+    path = tmp_path / "d" / "a.parquet"
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(400)]}), path, row_group_size=200)
+    few = profile_sources([ParquetSource(f"s{i}", str(path), metadata_cache=False) for i in range(2)])
+    many = profile_sources([ParquetSource(f"s{i}", str(path), metadata_cache=False) for i in range(300)])
+    assert {p.measured_rows for p in few.values()} == {128}
+    assert {p.measured_rows for p in many.values()} == {max(ROWS_FLOOR, ROWS_PER_JOB // 300)}
