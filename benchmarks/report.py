@@ -404,8 +404,10 @@ def startup_table(data: dict) -> list[str]:
         for temp, label in (("cold", "no journal"), ("warm", "journal written")):
             r = runs.get(f"first_{runtime}_{temp}")
             if r:
+                each = ", ".join(f"{x:.2f}" for x in r.get("total_s_all", [])[1:] and r["total_s_all"])
                 lines.append(f"| to the first batch, {runtime}, {label} (source {r['open_s']:.2f} s + loader "
-                             f"{r['loader_s']:.2f} s) | {r['total_s']:.2f} | {r['footers_read']:,} |")
+                             f"{r['loader_s']:.2f} s{'; runs: ' + each if each else ''}) | {r['total_s']:.2f} | "
+                             f"{r['footers_read']:,} |")
     warm = runs.get("construct_warm")
     if warm:
         lines += ["", f"One `state_dict()` of this source takes {warm['state_dict_s'] * 1e3:.2f} ms (a Source Loader "
