@@ -13,8 +13,9 @@ def test_startup_quick_measures_every_figure_and_warm_starts_read_no_footer(tmp_
                            timeout=300)
     assert data["benchmark"] == "startup" and data["quick"] and not data["errors"]
     runs, files = data["runs"], data["config"]["files"]
-    assert files == 1000 and set(runs) == {"construct_cold", "construct_warm", *FIRST,
-                                           *(f"many_{r}_{s}" for r in ("local", "rpc") for s in data["config"]["sources"])}
+    many = [f"many_{r}_{s}" for r in ("local", "rpc") for s in data["config"]["sources"]]
+    assert files == 1000 and set(runs) == {"construct_cold", "construct_warm", *FIRST, *many,
+                                           *(f"many_rpc_{s}_cold" for s in data["config"]["sources"])}
     cold, warm, spec = runs["construct_cold"], runs["construct_warm"], runs["construct_warm"]["spec"]
     assert cold["files"] == warm["files"] == files and cold["footers_read"] == files
     assert warm["footers_read"] == 0 and spec["footers_read"] == 0             # the journal, then the spec
@@ -27,5 +28,6 @@ def test_startup_quick_measures_every_figure_and_warm_starts_read_no_footer(tmp_
         assert (r["processes"] == 1) if "local" in name else (r["processes"] >= 2), name
     for s in data["config"]["sources"]:
         assert runs[f"many_local_{s}"]["sources"] == runs[f"many_rpc_{s}"]["sources"] == s
+        assert runs[f"many_rpc_{s}_cold"]["sources"] == s and runs[f"many_rpc_{s}_cold"]["processes"] >= 2
     assert set(data["verdict"]) == {"local_warm_meets_target", "rpc_warm_meets_target"}
     assert "footers read" in proc.stdout and data["machine"]["cores"] >= 1
