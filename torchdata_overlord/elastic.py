@@ -66,8 +66,8 @@ def adapt(job: dict, step: int, saved: Mapping, config: Mapping, initial: Mappin
     changes = []
     planner = job[JobState.PLANNER]
     if saved.get("mesh") != config["mesh"]:
-        changes.append(f"mesh: saved {saved.get('mesh')}, now {config['mesh']} (buckets, constructors and routes "
-                       f"re-derived)")
+        changes.append(f"mesh: saved {_mesh_text(saved.get('mesh'))}, now {_mesh_text(config['mesh'])} (buckets, "
+                       f"constructors and routes re-derived)")
     planner["mesh"] = copy.deepcopy(config["mesh"])
     old_batch, batch = planner["global_batch"], config["global_batch"]
     if old_batch != batch:
@@ -96,6 +96,15 @@ def adapt(job: dict, step: int, saved: Mapping, config: Mapping, initial: Mappin
         changes.append(f"sources: removed {removed} (their positions dropped), added {added} (from their start)")
     job[JobState.LOADERS] = {s: loaders[s] for s in config["sources"]}
     return job, changes
+
+
+def _mesh_text(mesh) -> str:
+    """``pp=1 dp=4 cp=1 tp=1`` (and each attached module's sizes) of a ``ClientPlaceTree.to_dict()``."""
+    if not isinstance(mesh, Mapping) or not isinstance(mesh.get("sizes"), Mapping):
+        return repr(mesh)
+    text = " ".join(f"{k}={v}" for k, v in mesh["sizes"].items())
+    mods = mesh.get("modules") or {}
+    return text + "".join(f"; {name}: {_mesh_text(m)}" for name, m in mods.items())
 
 
 def batch_bound(planner: Mapping, step: int) -> int:
