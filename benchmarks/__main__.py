@@ -21,7 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = ["plan_speed", "balance", "mixing_accuracy", "e2e_throughput", "runtimes", "fault_recovery", "memory",
-           "autoscaling", "startup"]
+           "autoscaling", "startup", "elastic"]
 
 
 def main(argv=None) -> int:

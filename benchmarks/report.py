@@ -429,9 +429,28 @@ def startup_table(data: dict) -> list[str]:
     return lines
 
 
+def elastic_table(data: dict) -> list[str]:
+    m, c, runs = data["machine"], data["config"], data["runs"]
+    lines = [f"**Elastic resume** (`python benchmarks/elastic.py`, {data['date']}, {m['cores']} cores, 1-minute load "
+             f"{m.get('load_avg_1m_at_start', '?')} at the start and {m['load_avg_1m']} at the end): a state saved at "
+             f"dp={c['saved']['mesh']['dp']}, global batch {c['saved']['global_batch']} after {c['steps']} steps, "
+             f"resumed at dp={c['resumed']['mesh']['dp']} cp={c['resumed']['mesh']['cp']}, global batch "
+             f"{c['resumed']['global_batch']}, against a resume at the saved mesh; S sources of ~"
+             f"{c['row_group_kib']} KiB row groups; each resume a fresh process with the loader built before the "
+             f"clock; medians of {c['repeat']}.", "",
+             "| S | runtime | `load_state_dict` (s) | to the first batch (s) | same-mesh resume (s) | elastic / same "
+             "| state (KiB) |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in runs.values():
+        e, same = r["elastic"], r["same"]
+        lines.append(f"| {r['sources']} | {r['runtime']} | {e['load_s']:.3f} | {e['total_s']:.2f} | "
+                     f"{same['total_s']:.2f} | {r['elastic_over_same']:.2f}x | {r['state_bytes'] / 1024:.0f} |")
+    return lines
+
+
 TABLES = [("plan_speed", plan_speed_table), ("e2e_throughput", e2e_throughput_table), ("runtimes", runtimes_table),
           ("balance", balance_table), ("mixing_accuracy", mixing_table), ("fault_recovery", fault_recovery_table),
-          ("memory", memory_table), ("autoscaling", autoscaling_table), ("startup", startup_table)]
+          ("memory", memory_table), ("autoscaling", autoscaling_table), ("startup", startup_table),
+          ("elastic", elastic_table)]
 
 
 def render() -> str:

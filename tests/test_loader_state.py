@@ -100,7 +100,7 @@ def version_1(state):
 CASES = {
     "planner step behind the loaders": (edit_job(planner("step", 1)), r"job\.planner\.step is 1 but the state's 'step' is 3"),
     "planner and state step 1, mixer at 3 steps": (both(edit_job(planner("step", 1)), setitem("step", 1)),
-                                                  r"has drawn 48 samples, more than 1 steps of 16"),
+                                                  r"has drawn 48 samples, more than 1 steps \(16 samples\)"),
     "negative step": (setitem("step", -3), r"'step' is -3, not an integer >= 0"),
     "negative planner step": (both(edit_job(planner("step", -3)), setitem("step", -3)), r"'step' is -3"),
     "job edited, not sealed": (edit_job(planner("step", 1), checksum=False), "does not match its checksum"),

@@ -10,7 +10,8 @@ import pytest
 from torchdata_overlord.sim.corpus import build_demo_corpus
 
 TUTORIALS = Path(__file__).resolve().parent.parent / "tutorials"
-NAMES = ("long_short_mixing", "vlm_hybrid_balance", "curriculum_mixing", "checkpoint_resume", "custom_source")
+NAMES = ("long_short_mixing", "vlm_hybrid_balance", "curriculum_mixing", "checkpoint_resume", "custom_source",
+         "elastic_resume")
 
 
 def load(name):
@@ -98,3 +99,12 @@ def test_custom_source_runs_a_users_node_the_same_in_both_runtimes(root):
     assert "4 steps, the same in both runtimes" in proc.stdout
     assert "'chat': " in proc.stdout and "'notes': " in proc.stdout and "'code': " in proc.stdout
     assert "resumed the rpc loader at step 2" in proc.stdout
+
+
+def test_elastic_resume_continues_at_another_mesh_with_nothing_lost_or_repeated(root, capsys):
+    fig = run("elastic_resume", root, "--steps", "5", "--save-at", "2")
+    out = capsys.readouterr().out
+    assert fig["ok"] and "nothing lost or repeated" in out
+    assert any(c.startswith("mesh: saved pp=1 dp=4") for c in fig["changes"])
+    assert any(c.startswith("global_batch: saved 32, now 24") for c in fig["changes"])
+    assert sum(fig["before"].values()) == 2 * 32 and sum(fig["after"].values()) == 3 * 24

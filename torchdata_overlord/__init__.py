@@ -15,9 +15,12 @@ The public API, in the order a training script meets it:
   they share) with the sample transforms :class:`Tokenize` and :class:`ImageText`;
 * the trainer's drop-in ``DataLoader``: :class:`OverlordLoader`, with :class:`FaultTolerance` to
   keep feeding through failed roles under ``runtime="rpc"``; what it yields, key by key:
-  :class:`Batch` and :class:`Microbatch` (``torchdata_overlord.batch``).
+  :class:`Batch` and :class:`Microbatch` (``torchdata_overlord.batch``); a state saved under another
+  mesh resumes elastically (:mod:`torchdata_overlord.elastic` says what carries over; ``elastic.earliest``
+  picks the state to load when ranks disagree).
 """
 
+from . import elastic
 from .batch import Batch, Microbatch
 from .errors import BufferShortageError, ConfigError, OverlordError, OversizeSampleError
 from .plane import (AttentionFlops, BufferMeta, ClientPlaceTree, Constant, Cosine, DGraph, Dynamic, EncoderCost,

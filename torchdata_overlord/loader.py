@@ -26,11 +26,14 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from . import loader_state
+from .elastic import adapt, source_changes
 from .errors import ConfigError, OverlordError
+from .loader_state import transform_spec
 from .plane.mixture_probe import mixture_spec
 from .plane.place_tree import ClientPlaceTree
 from .runtime.coverage import check_clients_cover_mesh
 from .runtime.local import LocalJob
+from .roles.source_loader import SourceLoader
 from .runtime.step import JobState, SourceExhausted
 from .runtime.rpc_job import RpcJob
 
@@ -174,8 +177,11 @@ class OverlordLoader:
         names = [getattr(s, "name", s) for s in sources]
         self._config = {"sources": names, "seed": seed, "global_batch": global_batch, "seq_len": seq_len,
                         "mesh": mesh.to_dict(), "image_token_id": image_token_id,
-                        loader_state.MIXTURE: mixture_spec(strategy, mesh, names, global_batch, seed)}
+                        loader_state.MIXTURE: mixture_spec(strategy, mesh, names, global_batch, seed),
+                        loader_state.TRANSFORMS: {getattr(s, "name", s): transform_spec(s) for s in sources}}
         self._consumed = {self.K_STEP: 0, self.K_JOB: self._job.state_dict()}
+        self._initial_job = copy.deepcopy(self._consumed[self.K_JOB])     # where a source added at a resume starts
+        self._sources = sources
         self._pending: dict | None = None
         self._thread: threading.Thread | None = None
         self._active = False               # iterating (with a producer thread when prefetch > 0)
@@ -364,19 +370,52 @@ class OverlordLoader:
             step, job = self._consumed[self.K_STEP], self._job_state(self._consumed)
         return loader_state.pack(copy.deepcopy(self._config), step, job)
 
-    def load_state_dict(self, state: Mapping, strict: bool = True) -> list[str]:
+    def load_state_dict(self, state: Mapping, strict: bool = True, sources_changed: str = "refuse") -> list[str]:
         """Check ``state`` as a whole and copy it; the next ``iter()`` continues exactly after the
         step it describes. A state that is not one this configuration wrote, unmodified, is refused
-        with a :class:`ConfigError` naming the first inconsistency. A state saved under another
-        mixing strategy is refused too unless ``strict=False``: it then continues from the saved
-        position with this loader's strategy, and the changes are returned and warned about.
+        with a :class:`ConfigError` naming the first inconsistency. A state saved under another mesh,
+        global batch, number of constructors or loader actors, or runtime continues here elastically
+        (:mod:`~torchdata_overlord.elastic` says what carries over and what "consumed" means). A state
+        saved with another source set needs ``sources_changed="allow"``; under another mixing strategy
+        or another transform, ``strict=False``: it then continues from the saved position with this
+        loader's, and the changes are warned about. Returns every change, in words.
         (``torch.distributed.checkpoint.load`` calls this with ``strict=True``; to opt in there,
         load into ``{"loader": loader.state_dict()}`` and pass that entry here.)"""
-        step, job, changes = loader_state.unpack(state, self._config, strict)
+        step, job, saved, changes = loader_state.unpack(state, self._config, strict, sources_changed)
+        return self._resume(step, job, saved, changes)
+
+    def load_checkpoint_store(self, checkpoint_dir: str, step: int | None = None,
+                              sources_changed: str = "refuse") -> list[str]:
+        """Resume from the data plane's own checkpoints: the store a job with
+        ``FaultTolerance(checkpoint_dir=...)`` wrote, under this loader's mesh, batch and runtime, like
+        :meth:`load_state_dict`. ``step``: the steps your model checkpoint consumed (default: the last
+        step every trainer had reported consumed, up to ``prefetch`` steps fewer than they had). Each
+        source's state is its last snapshot plus a replay of the steps since, read again here
+        (:mod:`~torchdata_overlord.runtime.store_state`). Returns every change, in words."""
+        from .runtime.store_state import job_from_store
+        cfg = self._job.cfg
+        step, job, saved = job_from_store(checkpoint_dir, {s.name: s for s in self._sources if not isinstance(s, str)},
+                                          lambda name: cfg.get(cfg.buffer_size, name, cfg.global_batch), step)
+        if saved["seed"] != self._config["seed"]:
+            raise ConfigError(f"the store at {checkpoint_dir} comes from a job of seed {saved['seed']}, this loader's "
+                              f"is {self._config['seed']}; resume with the same seed")
+        saved = {**self._config, **saved}               # what the store does not record is taken as this loader's
+        source_changes(saved["sources"], self._config["sources"], sources_changed)
+        loader_state.check_job(job, step, saved)
+        return self._resume(step, job, saved, [])
+
+    def _resume(self, step: int, job: dict, saved: dict, changes: list[str]) -> list[str]:
+        """Continue at ``step`` with ``job`` (checked, saved under config ``saved``) at the next ``iter()``."""
         if changes:
-            warnings.warn("OverlordLoader.load_state_dict(strict=False): " + "; ".join(changes), stacklevel=2)
+            warnings.warn("OverlordLoader.load_state_dict: " + "; ".join(changes), stacklevel=3)
+        job, elastic = adapt(job, step, saved, self._config, self._initial_job)
+        for source in self._sources:              # another file set, seed or column choice: refused here
+            if hasattr(source, "check_state") and source.name in saved["sources"]:
+                source.check_state(job[JobState.LOADERS][source.name][SourceLoader.SOURCE_STATE])
+        if elastic:
+            log.info("OverlordLoader: resuming at step %d elastically: %s", step, "; ".join(elastic))
         self._pending = {self.K_STEP: step, self.K_JOB: job}
-        return changes
+        return changes + elastic
 
     # -- shutdown ------------------------------------------------------------------------------
     def _stop_producer(self) -> None:

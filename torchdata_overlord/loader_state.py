@@ -12,17 +12,29 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from typing import Mapping
 
+from .elastic import ELASTIC, batch_bound, source_changes
 from .errors import ConfigError
 from .runtime.step import JobState
 
-__all__ = ["FORMAT", "pack", "unpack"]
+__all__ = ["FORMAT", "pack", "unpack", "transform_spec"]
 
 FORMAT = 2                    # 2: checksum of the job part, the strategy's mixture in the config
 VERSION, CONFIG, STEP, JOB, CHECKSUM = "version", "config", "step", "job", "checksum"
 MIXTURE = "mixture"           # the config entry a resume may change with strict=False
+TRANSFORMS = "transforms"     # each source's transform, described: a change needs strict=False too
 FIX = "load a state this loader's configuration wrote, unmodified"
+
+
+def transform_spec(source) -> str | None:
+    """A source's transform as the config records it: its type and ``repr`` (memory addresses removed,
+    so an object without a ``__repr__`` of its own still describes itself the same in every process)."""
+    t = getattr(source, "transform", None)
+    if t is None:
+        return None
+    return f"{type(t).__module__}.{type(t).__qualname__}: {re.sub(r' at 0x[0-9a-fA-F]+', '', repr(t))}"
 
 
 def checksum(job: str) -> str:
@@ -57,9 +69,12 @@ def _keys(value: Mapping, keys, where: str) -> None:
         raise _bad(where, f"lacks {missing} (has {sorted(value)})")
 
 
-def unpack(state, config: Mapping, strict: bool = True) -> tuple[int, dict, list[str]]:
-    """Check ``state`` against this loader's ``config``; returns (step, job, changes). ``changes``
-    lists a changed mixture, accepted only with ``strict=False``; anything else inconsistent raises."""
+def unpack(state, config: Mapping, strict: bool = True,
+           sources_changed: str = "refuse") -> tuple[int, dict, dict, list[str]]:
+    """Check ``state`` against this loader's ``config``; returns (step, job, the saved config, changes).
+    The mesh and global batch may differ (an elastic resume, :mod:`~torchdata_overlord.elastic`); the
+    sources only with ``sources_changed="allow"``; ``changes`` lists a changed mixture or transform,
+    accepted only with ``strict=False`` (or with the sources changed); anything else inconsistent raises."""
     if not isinstance(state, Mapping):
         raise ConfigError(f"not an OverlordLoader state: expected the dict OverlordLoader.state_dict() returns, "
                           f"got {type(state).__name__}")
@@ -79,24 +94,36 @@ def unpack(state, config: Mapping, strict: bool = True) -> tuple[int, dict, list
         raise _bad("'job'", f"({len(text)} characters) does not match its checksum: it was truncated, corrupted or "
                             f"edited")
     diffs = [f"{k}: saved {theirs.get(k)!r}, now {v!r}" for k, v in config.items()
-             if k != MIXTURE and theirs.get(k) != v]
+             if k not in (MIXTURE, TRANSFORMS, "sources", *ELASTIC) and theirs.get(k) != v]
     if diffs:
         raise ConfigError("this state comes from another loader configuration: " + "; ".join(diffs))
+    _keys(theirs, ("sources", *ELASTIC), "'config'")
+    saved_sources = [str(x) for x in _of(theirs["sources"], list, "config.sources")]
+    removed, added = source_changes(saved_sources, config["sources"], sources_changed)
     try:
         job = json.loads(text)
     except ValueError as e:
         raise _bad("'job'", f"is not JSON ({e})") from None
-    check_job(_of(job, dict, "'job'"), step, config)
+    check_job(_of(job, dict, "'job'"), step, theirs)
     changes = []
     if theirs.get(MIXTURE) != config[MIXTURE]:
         change = f"the strategy's mixture: saved {theirs.get(MIXTURE)}, now {config[MIXTURE]}"
-        if strict:
+        if strict and not (removed or added):
             raise ConfigError(f"this state was saved with another strategy ({change}); a changed mixture is "
                               f"another sample stream. Resume with the saved strategy, or pass "
                               f"load_state_dict(state, strict=False) to continue from the saved position with the "
                               f"new one")
         changes.append(change)
-    return step, job, changes
+    saved_t, now_t = theirs.get(TRANSFORMS) or {}, config.get(TRANSFORMS) or {}
+    for name in sorted(set(saved_t) & set(now_t)):
+        if saved_t[name] != now_t[name]:
+            change = f"source {name!r}'s transform: saved {saved_t[name]}, now {now_t[name]}"
+            if strict:
+                raise ConfigError(f"this state was saved with another transform ({change}); its samples would "
+                                  f"differ from those planned before. Resume with the saved transform, or pass "
+                                  f"load_state_dict(state, strict=False) if the change is intended")
+            changes.append(change)
+    return step, job, dict(theirs), changes
 
 
 def check_job(job: dict, step: int, config: Mapping) -> None:
@@ -109,10 +136,14 @@ def check_job(job: dict, step: int, config: Mapping) -> None:
         raise _bad("job.planner.step", f"is {planned} but the state's 'step' is {step}: its parts come from "
                                        f"different points of a run")
     for key in ("seed", "global_batch", "mesh"):
-        if planner[key] != json.loads(json.dumps(config[key])):
-            raise _bad(f"job.planner.{key}", f"is {planner[key]!r:.80}, but the state's config has {config[key]!r:.80}")
+        if planner[key] != json.loads(json.dumps(config.get(key))):
+            raise _bad(f"job.planner.{key}", f"is {planner[key]!r:.80}, but the state's config has "
+                                             f"{config.get(key)!r:.80}")
+    if "batches" in planner:
+        _check_batches(planner["batches"], planner["global_batch"], planned)
+    drawn_at_most = batch_bound(planner, step)
     for key, prim in _of(planner["primitives"], dict, "job.planner.primitives").items():
-        _check_mix(key, prim, step, config["global_batch"])
+        _check_mix(key, prim, step, drawn_at_most)
     loaders = _of(job[JobState.LOADERS], dict, "job.loaders")
     if sorted(loaders) != sorted(config["sources"]):
         raise _bad("job.loaders", f"has sources {sorted(loaders)}, the config {sorted(config['sources'])}")
@@ -136,8 +167,22 @@ def check_job(job: dict, step: int, config: Mapping) -> None:
                 raise _bad(f"{where}[1][{k!r}]", f"is {v!r:.40}, not a finite number")
 
 
-def _check_mix(key: str, prim, step: int, global_batch: int) -> None:
-    """A mixer draws ``global_batch`` samples per planned step at most: its counts bound the step."""
+def _check_batches(history, batch: int, step: int) -> None:
+    """The global batch history an elastic resume wrote: ``[[0, b0], [s1, b1], ...]``, steps increasing
+    up to ``step``, ending with the current ``batch``."""
+    where = "job.planner.batches"
+    _of(history, list, where)
+    starts = [_count(_of(h, list, f"{where}[{i}]")[0] if len(h) == 2 else -1, f"{where}[{i}][0]")
+              for i, h in enumerate(history)]
+    for i, h in enumerate(history):
+        _count(h[1], f"{where}[{i}][1]", at_least=1)
+    if not history or starts[0] != 0 or starts != sorted(starts) or starts[-1] > step or history[-1][1] != batch:
+        raise _bad(where, f"is {history!r:.80}: not [[0, batch], [step, batch], ...] up to step {step} ending with the "
+                          f"global batch {batch}")
+
+
+def _check_mix(key: str, prim, step: int, drawn_at_most: int) -> None:
+    """A mixer draws one global batch of samples per planned step: ``drawn_at_most`` over ``step`` steps."""
     where = f"job.planner.primitives[{key!r}]"
     _of(prim, dict, where)
     if not key.split("#")[0] == "mix" or "apportion" not in prim:
@@ -145,6 +190,6 @@ def _check_mix(key: str, prim, step: int, global_batch: int) -> None:
     realised = _of(_of(prim["apportion"], dict, f"{where}.apportion").get("realised", {}), dict,
                    f"{where}.apportion.realised")
     drawn = sum(_count(v, f"{where}.apportion.realised[{k!r}]") for k, v in realised.items())
-    if drawn > step * global_batch:
-        raise _bad(where, f"has drawn {drawn} samples, more than {step} steps of {global_batch} can: the planner's "
-                          f"step and its mixer disagree")
+    if drawn > drawn_at_most:
+        raise _bad(where, f"has drawn {drawn} samples, more than {step} steps ({drawn_at_most} samples) can: the "
+                          f"planner's step and its mixer disagree")

@@ -28,6 +28,7 @@ class Planner:
     """
 
     STEP, SEED, PRIMITIVES, MESH, BATCH = "step", "seed", "primitives", "mesh", "global_batch"
+    BATCHES = "batches"      # [[first step, global batch], ...] when an elastic resume changed the batch
 
     def __init__(self, strategy: Callable[[DGraph], "Plan | DGraph"], mesh: ClientPlaceTree, global_batch: int,
                  seed: int = 0, summary_buffer: Callable[[BufferMeta], BufferMeta] | None = None):
@@ -40,6 +41,7 @@ class Planner:
         self.strategy, self.mesh, self.global_batch, self.seed = strategy, mesh, global_batch, int(seed)
         self.summary_buffer = summary_buffer
         self.step = 0
+        self.batches = [[0, global_batch]]
         self._state: dict = {}
         self._restoring: set = set()
         self._live: dict = {}
@@ -74,8 +76,11 @@ class Planner:
         prim = copy.deepcopy(self._state)
         for key, sched in self._live.items():
             prim.setdefault(key, {})["schedule"] = sched.state_dict()
-        return {self.STEP: self.step, self.SEED: self.seed, self.BATCH: self.global_batch,
-                self.MESH: self.mesh.to_dict(), self.PRIMITIVES: prim}
+        out = {self.STEP: self.step, self.SEED: self.seed, self.BATCH: self.global_batch,
+               self.MESH: self.mesh.to_dict(), self.PRIMITIVES: prim}
+        if len(self.batches) > 1:
+            out[self.BATCHES] = copy.deepcopy(self.batches)
+        return out
 
     def load_state_dict(self, state: Mapping) -> None:
         diffs = []
@@ -88,5 +93,6 @@ class Planner:
         if diffs:
             raise ConfigError("planner state comes from another configuration: " + "; ".join(diffs))
         self.step = int(state[self.STEP])
+        self.batches = copy.deepcopy(state.get(self.BATCHES) or [[0, self.global_batch]])
         self._state = copy.deepcopy(dict(state[self.PRIMITIVES]))
         self._restoring = set(self._state)

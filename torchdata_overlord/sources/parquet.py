@@ -585,6 +585,15 @@ class ParquetSource:
                               f"got {ahead!r:.200}")
         self._set_position(epoch, unit, row, ahead)
 
+    def check_state(self, state: dict) -> None:
+        """Refuse (ConfigError naming the difference) a state of another source configuration (name,
+        seed, shuffle, columns, files) without moving: what a resume checks before any role loads it."""
+        fp = state.get("fingerprint") if isinstance(state, dict) else None
+        if fp is None:
+            raise ConfigError(f"source {self.name!r}: not a {type(self).__name__} state (no fingerprint): "
+                              f"{state!r:.200}")
+        self._check_fingerprint(fp)
+
     def _check_fingerprint(self, fp) -> None:
         mine = self._fingerprint
         if not isinstance(fp, dict):
