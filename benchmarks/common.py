@@ -37,3 +37,17 @@ def write_results(path: Path, payload: dict, started: float | None = None, load_
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
     print(f"\nwrote {path}{note}")
+
+
+def spawn_one(script: str, kind: str, args: dict, mark: str, timeout: float, cwd: str | None = None) -> dict:
+    """Run ``python <script> --one <kind> --args <json>`` (a figure measured in a fresh process) and return
+    the JSON it printed after ``mark``; a failed run raises with the end of its output."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, script, "--one", kind, "--args", json.dumps(args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(mark)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{kind} run failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len(mark):])

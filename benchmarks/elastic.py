@@ -27,7 +27,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -35,7 +34,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import spawn_one, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MARK = "@@ELASTIC-RESULT@@"
@@ -85,12 +84,7 @@ def run_resume(a: dict) -> dict:
 
 
 def spawn(kind: str, a: dict, timeout: float) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--one", kind, "--args", json.dumps(a)], capture_output=True,
-                          text=True, timeout=timeout, cwd=str(Path(__file__).resolve().parent.parent))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{kind} run failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len(MARK):])
+    return spawn_one(__file__, kind, a, MARK, timeout, cwd=str(Path(__file__).resolve().parent.parent))
 
 
 def main(argv=None) -> int:

@@ -64,7 +64,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -75,7 +74,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_throughput as e2e  # noqa: E402
-from common import write_results  # noqa: E402
+from common import spawn_one, write_results  # noqa: E402
 
 import torchdata_overlord as ol  # noqa: E402
 from torchdata_overlord.sim.corpus import build_demo_corpus, default_corpus_root  # noqa: E402
@@ -297,12 +296,7 @@ def one(kind: str, a: dict) -> int:
 # ------------------------------------------------------------------------------------------------
 
 def spawn(kind: str, a: dict, timeout: float) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--one", kind, "--args", json.dumps(a)],
-                          capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{kind} run failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len(MARK):])
+    return spawn_one(__file__, kind, a, MARK, timeout)
 
 
 def main(argv=None) -> int:

@@ -44,7 +44,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -52,7 +51,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import spawn_one, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,12 +198,7 @@ def one(kind: str, a: dict) -> int:
 # ------------------------------------------------------------------------------ driver
 
 def spawn(kind: str, a: dict, timeout: float) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--one", kind, "--args", json.dumps(a)],
-                          capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{kind} run failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len(MARK):])
+    return spawn_one(__file__, kind, a, MARK, timeout, cwd=str(ROOT))
 
 
 def median_of(runs: list[dict]) -> dict:
