@@ -194,6 +194,14 @@ class SourceLoader(BaseNode[tuple]):
         state those steps left, because filling and taking are deterministic; returns it. A
         data-parallel part takes the indices it holds (a step's own ones are all in its buffer)."""
         self.reset(snapshot)
+        return self.catch_up(consumed)
+
+    def catch_up(self, consumed: Iterable[Iterable[int]]) -> dict:
+        """Redo each later step's consumption from where this loader is now (no reset): fill the
+        buffer, take that step's indices, in order; returns the state those steps left. A loader
+        started at a state and caught up this way holds what :meth:`replay` would rebuild (filling
+        is deterministic and a full buffer fills no further, so when it filled does not matter).
+        A data-parallel part takes the indices it holds (a step's own ones are all in its buffer)."""
         part = getattr(self.source, "part", (0, 1))[1] > 1
         for indices in consumed:
             self.fill()
