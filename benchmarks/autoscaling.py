@@ -120,7 +120,7 @@ SIZES = {
     "quick": {"corpus": {"text": {"rows": 400, "files": 1, "row_group_rows": 50, "median_tokens": 1500},
                          "image": {"rows": 96, "files": 2, "row_group_rows": 8,
                                    "side": {"min": 512, "median": 1024, "max": 2048}}},
-              "ramp": 16, "hold": 6, "warmup": 3, "rounds": 1, "global_batch": 16, "model_ms": 50,
+              "ramp": 16, "hold": 44, "warmup": 3, "rounds": 1, "global_batch": 16, "model_ms": 50,
               "window": 4, "stats_every": 4, "scaler": {"interval": 2, "window": 4, "patience": 1}},
 }
 

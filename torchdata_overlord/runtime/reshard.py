@@ -34,7 +34,6 @@ import time
 from dataclasses import dataclass, field
 
 from ..roles.loader_parts import merge_states, part_keys
-from .fault_policy import FAILURES
 from .loader_actor import LoaderActor
 from .refs import LoaderRef, loader_actor
 
@@ -139,8 +138,10 @@ class Resharding:
         old = list(job.parts.by_source[source])
         base = merge_states([r.loader_state[key] for key in old])
         keys = part_keys(source, actors)
+        # the other pending reshards' actors count where they will serve, not where they serve now
+        retiring = old + [key for s in self.pending for key in job.parts.by_source[s]]
         busy = [h for p in self.pending.values() for h in p.hosts.values()]
-        hosts = dict(zip(keys, _hosts(r, actors, old, busy)))
+        hosts = dict(zip(keys, _hosts(r, actors, retiring, busy)))
         names = {key: r.new_name(loader_actor(key)) for key in keys}
         a = r.policy.loader_args[source]
         args = {key: (a[0], a[1], workers, *a[3:], r.peers, (j, actors)) for j, key in enumerate(keys)}
@@ -235,9 +236,10 @@ class Resharding:
                     pass
 
         p.prepare.add_done_callback(close)
-        what = "failed" if isinstance(err, FAILURES + (cf.TimeoutError,)) else "was given up"
-        log.warning("source %r: resharding %d -> %d loader actors (decided after step %d) %s at step %d (%s); the "
-                    "old ones go on", p.source, p.old, p.k, p.decision_step, what, step, err)
+        given_up = isinstance(err, Aborted)          # a new generation or the close: nothing failed
+        log.log(logging.INFO if given_up else logging.WARNING, "source %r: resharding %d -> %d loader actors "
+                "(decided after step %d) %s at step %d (%s); the old ones go on", p.source, p.old, p.k,
+                p.decision_step, "was given up" if given_up else "failed", step, err)
         self.job.reshards.append({"source": p.source, "from": p.old, "to": p.k, "workers": p.workers, "ok": False,
                                   "step": step + 1, "decision_step": p.decision_step, "aborted_step": step,
                                   "error": f"{type(err).__name__}: {err}"})
