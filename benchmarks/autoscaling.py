@@ -26,7 +26,8 @@ its own, so a source's share shows as its number of data-parallel loader actors,
 * ``autoscale``: the placement sized for the start weights and ``autoscale=AutoScaler(interval=5,
   window=10, patience=2)``: every 5 steps the Planner re-partitions (same profiles and budget) on the
   sources' shares of the last 10 steps and reshards a source whose actor count changed for 2 intervals
-  running (new actors load the merged state, the old retire);
+  running (the new actors start, load the merged state and catch up while the old ones serve; the old
+  retire once the new are at most a step behind: :mod:`torchdata_overlord.runtime.reshard`);
 * ``static_start``: the same placement, ``autoscale=False``;
 * ``static_worst``: a placement sized for the end weights (image-heavy), ``autoscale=False``.
 
@@ -62,8 +63,10 @@ last step, and over the steps after warm-up); the sum of anonymous PSS (``Pss_An
 ``memory.py``) over the tree every ``--interval`` s, minus the trainer's before the loader: peak, steady
 (median after warm-up) and over the held end mixture; the loader actors per source at every step
 (exact, from the placement and ``stats()["planner"]["reshards"]``; sampled as above, and
-``stats()["loader_parts"]`` at the end must equal the last sample); the reshards (with the longest wait
-within two steps of each) and the autoscaler's decisions. The rounds interleave the configurations
+``stats()["loader_parts"]`` at the end must equal the last sample); the reshards (the step after which
+each was decided and the first step its new actors served, the seconds between and those the switch
+blocked the Planner, and the longest wait within two steps of the switch and from the decision on) and
+the autoscaler's decisions. The rounds interleave the configurations
 (a, b, c, then c, b, a), so machine noise shows; the load average is recorded.
 
 Prints a table, writes ``benchmarks/results/autoscaling.json`` and ``autoscaling.png``; exits non-zero if
@@ -512,7 +515,9 @@ def summarize(rep: dict, cfg: dict, placement: dict) -> dict:
             "pss_mib": {"peak": round(max(pss), 1), "steady": round(statistics.median(steady), 1),
                         "hold": round(statistics.median(hold), 1)},
             "rate": rate, "actors": actors_by_step(placement, rep["reshards"], rep["steps"]),
-            "reshards": [{**x, "longest_wait_near_ms": max(waits[max(0, x["step"] - 2):x["step"] + 3])}
+            "reshards": [{**x, "longest_wait_near_ms": max(waits[max(0, x["step"] - 2):x["step"] + 3]),
+                          # from the decision to two steps after the switch (the new actors serve from "step")
+                          "longest_wait_since_decision_ms": max(waits[x["decision_step"] + 1:x["step"] + 3] or [0.0])}
                          for x in rep["reshards"]],
             "decisions": rep["decisions"], "parts_sampled": rep["parts_sampled"],
             "stats_workaround": rep["stats_workaround"], "pids_seen": rep["pids_seen"],

@@ -338,6 +338,8 @@ def _memory_size(z: dict) -> list[str]:
 def reshard_line(x: dict) -> str:
     """One reshard of the autoscaling run: when it was decided and switched (or why it was given up)."""
     head, near = f"{x['source']} {x['from']} -> {x['to']}", f"longest wait within 2 steps {x['longest_wait_near_ms']:,.0f} ms"
+    if "longest_wait_since_decision_ms" in x:
+        near += f", from the decision on {x['longest_wait_since_decision_ms']:,.0f} ms"
     if not x.get("ok", True):
         return f"{head} decided after step {x.get('decision_step')}, given up ({x.get('error')}; {near})"
     if "decision_step" not in x:                 # results of the synchronous reshard
