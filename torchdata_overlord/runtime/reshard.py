@@ -12,7 +12,10 @@ Three phases, driven by the Planner at its step boundaries (after a step's deliv
    base took from the source. At a boundary where the last round (at first: the warm-up) is done and
    the new actors are more than one step behind, the next round replays the steps logged since
    (:meth:`~.loader_actor.LoaderActor.catch_up`: fill, take the step's indices a part holds, from where
-   the part is, no reset).
+   the part is, no reset). A row those steps took is read again for its place in the order but not
+   transformed again, so a round costs reading, not decoding, and the new parts outrun the steps. The
+   log is the Planner's own, in memory, only for the steps not yet replayed (the store's consumption
+   log is on disk, and there is none without a checkpoint directory).
 3. *Switch*, on the Planner's thread, small. At a boundary where the new actors are at most one step
    behind, they replay that step (one step's refill, as a delivery) and answer their states; the
    Planner retires the old actors and their shadows and plans the next step from the new ones.
