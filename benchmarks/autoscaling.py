@@ -26,7 +26,8 @@ its own, so a source's share shows as its number of data-parallel loader actors,
 * ``autoscale``: the placement sized for the start weights and ``autoscale=AutoScaler(interval=5,
   window=10, patience=2)``: every 5 steps the Planner re-partitions (same profiles and budget) on the
   sources' shares of the last 10 steps and reshards a source whose actor count changed for 2 intervals
-  running (new actors load the merged state, the old retire);
+  running (the new actors start, load the merged state and catch up while the old ones serve; the old
+  retire once the new are at most a step behind: :mod:`torchdata_overlord.runtime.reshard`);
 * ``static_start``: the same placement, ``autoscale=False``;
 * ``static_worst``: a placement sized for the end weights (image-heavy), ``autoscale=False``.
 
@@ -46,11 +47,15 @@ data plane, and a busy loop would take one of the 2 cores from it. A run that ke
 batch / model step samples/s and every wait shows as a lower rate. Every ``stats_every`` steps a
 thread of the trainer's asks the Planner for each source's loader actors (its ``roles()``, where
 ``stats()["loader_parts"]`` comes from: a full ``stats()`` asks every role and holds the loader's lock
-meanwhile, so the producer could not submit). Global batch 24 and a 250 ms model step (96 samples/s):
+meanwhile, so the producer could not submit). Global batch 24 and a 400 ms model step (60 samples/s):
 at the start mixture well under a core of this machine's work, which every placement feeds; at the end
-mixture the image alone needs about one core of reading and decoding, all that the single image
-thread of the start placement can use: it keeps up only while it gets a core to itself, where three
-image threads have headroom (and a larger share of a contended machine).
+mixture the image needs a good part of a core of reading and decoding, what the single image thread of
+the start placement can give while it gets a core to itself, where three image threads have headroom
+(and a larger share of a contended machine). The model step was 250 ms (96 samples/s) until the
+reshard became non-blocking: at that load, on this shared 2-core machine, even the worst-case
+placement stalled (17 and 38 stall steps in its two rounds), so no stall of the autoscaling run could
+be told from the machine's; 400 ms leaves the data plane the headroom a placement that keeps up has
+(short runs at 400 ms: a few waits of 1-4 ms in every configuration, the machine's noise).
 
 Measured per run (each run its own process: RPC starts once per process and each run starts from the
 same footprint): samples/s over the run, over the ramp, over the held end mixture and per window of
@@ -62,15 +67,17 @@ last step, and over the steps after warm-up); the sum of anonymous PSS (``Pss_An
 ``memory.py``) over the tree every ``--interval`` s, minus the trainer's before the loader: peak, steady
 (median after warm-up) and over the held end mixture; the loader actors per source at every step
 (exact, from the placement and ``stats()["planner"]["reshards"]``; sampled as above, and
-``stats()["loader_parts"]`` at the end must equal the last sample); the reshards (with the longest wait
-within two steps of each) and the autoscaler's decisions. The rounds interleave the configurations
+``stats()["loader_parts"]`` at the end must equal the last sample); the reshards (the step after which
+each was decided and the first step its new actors served, the seconds between and those the switch
+blocked the Planner, and the longest wait within two steps of the switch and from the decision on) and
+the autoscaler's decisions. The rounds interleave the configurations
 (a, b, c, then c, b, a), so machine noise shows; the load average is recorded.
 
 Prints a table, writes ``benchmarks/results/autoscaling.json`` and ``autoscaling.png``; exits non-zero if
 a run failed, left a process behind or the configurations' batches differ, never because a figure
 disappointed.
 
-    python benchmarks/autoscaling.py                 # 2 rounds of 3 runs of 210 steps, ~10 minutes
+    python benchmarks/autoscaling.py                 # 2 rounds of 3 runs of 210 steps, ~12 minutes
     python benchmarks/autoscaling.py --quick --out /tmp/autoscaling.json     # smoke size
 """
 
@@ -115,12 +122,12 @@ SIZES = {
     "full": {"corpus": {"text": {"rows": 4000, "files": 2, "row_group_rows": 200, "median_tokens": 1500},
                         "image": {"rows": 768, "files": 4, "row_group_rows": 16,
                                   "side": {"min": 512, "median": 1024, "max": 2048}}},
-             "ramp": 150, "hold": 60, "warmup": 10, "rounds": 2, "global_batch": 24, "model_ms": 250,
+             "ramp": 150, "hold": 60, "warmup": 10, "rounds": 2, "global_batch": 24, "model_ms": 400,
              "window": 10, "stats_every": 10, "scaler": {"interval": 5, "window": 10, "patience": 2}},
     "quick": {"corpus": {"text": {"rows": 400, "files": 1, "row_group_rows": 50, "median_tokens": 1500},
                          "image": {"rows": 96, "files": 2, "row_group_rows": 8,
                                    "side": {"min": 512, "median": 1024, "max": 2048}}},
-              "ramp": 16, "hold": 6, "warmup": 3, "rounds": 1, "global_batch": 16, "model_ms": 50,
+              "ramp": 16, "hold": 44, "warmup": 3, "rounds": 1, "global_batch": 16, "model_ms": 50,
               "window": 4, "stats_every": 4, "scaler": {"interval": 2, "window": 4, "patience": 1}},
 }
 
@@ -512,7 +519,9 @@ def summarize(rep: dict, cfg: dict, placement: dict) -> dict:
             "pss_mib": {"peak": round(max(pss), 1), "steady": round(statistics.median(steady), 1),
                         "hold": round(statistics.median(hold), 1)},
             "rate": rate, "actors": actors_by_step(placement, rep["reshards"], rep["steps"]),
-            "reshards": [{**x, "longest_wait_near_ms": max(waits[max(0, x["step"] - 2):x["step"] + 3])}
+            "reshards": [{**x, "longest_wait_near_ms": max(waits[max(0, x["step"] - 2):x["step"] + 3]),
+                          # from the decision to two steps after the switch (the new actors serve from "step")
+                          "longest_wait_since_decision_ms": max(waits[x["decision_step"] + 1:x["step"] + 3] or [0.0])}
                          for x in rep["reshards"]],
             "decisions": rep["decisions"], "parts_sampled": rep["parts_sampled"],
             "stats_workaround": rep["stats_workaround"], "pids_seen": rep["pids_seen"],

@@ -335,6 +335,20 @@ def _memory_size(z: dict) -> list[str]:
     return lines
 
 
+def reshard_line(x: dict) -> str:
+    """One reshard of the autoscaling run: when it was decided and switched (or why it was given up)."""
+    head, near = f"{x['source']} {x['from']} -> {x['to']}", f"longest wait within 2 steps {x['longest_wait_near_ms']:,.0f} ms"
+    if "longest_wait_since_decision_ms" in x:
+        near += f", from the decision on {x['longest_wait_since_decision_ms']:,.0f} ms"
+    if not x.get("ok", True):
+        return f"{head} decided after step {x.get('decision_step')}, given up ({x.get('error')}; {near})"
+    if "decision_step" not in x:                 # results of the synchronous reshard
+        return f"{head} at step {x['step']} (in {x['seconds']:.2f} s; {near})"
+    return (f"{head} decided after step {x['decision_step']}, serving from step {x['step']} ({x['seconds']:.2f} s "
+            f"later, {x['rounds']} catch-up round(s), the switch blocked the Planner {1e3 * x['blocked_s']:.0f} ms; "
+            f"{near})")
+
+
 def autoscaling_table(data: dict) -> list[str]:
     m, c, prof = data["machine"], data["config"], data["profiles"]
     labels, res = data["labels"], data["results"]
@@ -372,8 +386,7 @@ def autoscaling_table(data: dict) -> list[str]:
                  f"{same.get('runs_compared')} runs (blake2b of every tensor of every rank's batch)"
                  + ("." if same.get("identical") else f": {same.get('first_differences')}."))
     for r in res.get("autoscale", []):
-        moves = "; ".join(f"{x['source']} {x['from']} -> {x['to']} at step {x['step']} (in {x['seconds']:.2f} s; "
-                          f"longest wait within 2 steps {x['longest_wait_near_ms']:,.0f} ms)" for x in r["reshards"])
+        moves = "; ".join(reshard_line(x) for x in r["reshards"])
         worst = max(range(len(r["waits_ms"])), key=lambda i: r["waits_ms"][i])
         lines.append(f"- Autoscaling, round {r['round']}: reshards {moves or 'none'}; the run's longest wait "
                      f"{r['waits_ms'][worst]:,.0f} ms at step {worst}.")

@@ -33,6 +33,9 @@ __all__ = ["SourceLoader", "record_bytes"]
 log = logging.getLogger("torchdata_overlord")
 
 
+_PLACE = object()       # a buffered row's record while a catch-up holds its place only (see catch_up)
+
+
 def record_bytes(record: Any) -> int:
     """Approximate bytes of a sample record (tensor storage, strings, 8 per other leaf)."""
     if isinstance(record, torch.Tensor):
@@ -81,6 +84,7 @@ class SourceLoader(BaseNode[tuple]):
         self._buffer: OrderedDict[int, tuple[Any, dict, int, tuple, int]] = OrderedDict()
         self.ordered = hasattr(source, "last_order") and hasattr(source, "owns")
         self._seq = 0
+        self._ahead: set[int] = set()    # indices a catch-up will take: read, but not transformed
         self._initial = {self.SOURCE_STATE: source.state_dict(), self.TAKEN: [], self.EPOCH_LOG: [source.epoch]}
         self.served = 0
         self.reset(None)
@@ -154,13 +158,18 @@ class SourceLoader(BaseNode[tuple]):
                 self._productive_at += 1      # (a row taken is not a row skipped)
                 continue
             raws.append((index, row, where, before, self._seq, order))
-        apply = self.source.apply
-        if self._pool is not None and len(raws) > 1:
-            records = list(self._pool.map(lambda r: apply(r[1], r[2]), raws))
+        apply, ahead = self.source.apply, self._ahead
+        work = [r for r in raws if r[0] not in ahead]     # (a row a catch-up takes is delivered already)
+        if self._pool is not None and len(work) > 1:
+            done = list(self._pool.map(lambda r: apply(r[1], r[2]), work))
         else:
-            records = [apply(r[1], r[2]) for r in raws]
-        for (index, _, _, before, seq, order), rec in zip(raws, records):
-            if rec is not SKIPPED:
+            done = [apply(r[1], r[2]) for r in work]
+        records = dict(zip([r[0] for r in work], done))
+        for index, _, _, before, seq, order in raws:
+            if index not in records:            # taken later in this catch-up: its place, not its bytes
+                self._buffer[index] = (_PLACE, before, seq, (0, 0, 0, 0.0), order)
+            elif records[index] is not SKIPPED:
+                rec = records[index]
                 self._buffer[index] = (rec, before, seq, self._meta_row(rec), order)
         if not self._buffer:            # nothing buffered: the state moves past what was read
             self._base_state, self._taken = self.source.state_dict(), {}
@@ -209,10 +218,30 @@ class SourceLoader(BaseNode[tuple]):
         state those steps left, because filling and taking are deterministic; returns it. A
         data-parallel part takes the indices it holds (a step's own ones are all in its buffer)."""
         self.reset(snapshot)
+        return self.catch_up(consumed)
+
+    def catch_up(self, consumed: Iterable[Iterable[int]]) -> dict:
+        """Redo each later step's consumption from where this loader is now (no reset): fill the
+        buffer, take that step's indices, in order; returns the state those steps left. A loader
+        started at a state and caught up this way holds what :meth:`replay` would rebuild (filling
+        is deterministic and a full buffer fills no further, so when it filled does not matter). A row
+        these steps take is read but not transformed: only its place in the read order matters here.
+        A data-parallel part takes the indices it holds (a step's own ones are all in its buffer)."""
         part = getattr(self.source, "part", (0, 1))[1] > 1
-        for indices in consumed:
-            self.fill()
-            self.take([i for i in indices if i in self._buffer] if part else indices)   # a part: its own ones
+        consumed = [[int(i) for i in indices] for indices in consumed]
+        # every row these steps take was delivered (transformed, not skipped) when they were served: it is
+        # read again for its place in the order, and not transformed again (a catch-up reads, not decodes)
+        self._ahead = {i for indices in consumed for i in indices}
+        try:
+            for indices in consumed:
+                self.fill()
+                self.take([i for i in indices if i in self._buffer] if part else indices)   # a part: its own ones
+        finally:
+            self._ahead = set()
+        left = [i for i, entry in self._buffer.items() if entry[0] is _PLACE]
+        if left:
+            raise ConfigError(f"source {self.name!r}: a catch-up left samples {left[:5]} in the buffer untransformed; "
+                              f"the consumption it replayed is not this source's")
         return self.get_state()
 
     def stats(self) -> dict:

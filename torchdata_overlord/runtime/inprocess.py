@@ -67,12 +67,7 @@ class _ActorThread:
     def _release(self) -> None:
         """A killed actor frees what its object holds (thread pools, files), as a dead process would:
         nobody calls its ``close()`` otherwise, and its threads would outlive the job."""
-        close = getattr(self.obj, "close", None)
-        if callable(close):
-            try:
-                close()
-            except Exception:            # noqa: BLE001 - the actor is dead; its clean-up is best effort
-                pass
+        _release(self.obj)
 
     def _fail_queued(self) -> None:
         while True:
@@ -82,6 +77,16 @@ class _ActorThread:
                 return
             if item is not self._STOP:
                 settle(item[0], exc=ActorDied(f"actor {self.name!r} stopped before {item[1]}() ran", self.name))
+
+
+def _release(obj: object) -> None:
+    """Close ``obj`` if it can be (best effort: its actor is dead or never ran)."""
+    close = getattr(obj, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:                # noqa: BLE001 - best effort
+            pass
 
 
 def _forward(src: cf.Future, dst: cf.Future, actor: str, method: str) -> None:
@@ -103,6 +108,7 @@ class InProcessTransport(Transport):
         self.stop_timeout = check_timeout(stop_timeout)
         self._actors: dict[str, _ActorThread] = {}
         self._killed: set[str] = set()
+        self._starting: set[str] = set()           # names of actors being built (outside the lock)
         self._lock = threading.Lock()
         self._closed = False
         self._deadlines = Deadlines("overlord-inprocess-deadlines")
@@ -112,9 +118,22 @@ class InProcessTransport(Transport):
         with self._lock:
             if self._closed:
                 raise TransportClosed(f"cannot start actor {name!r}: the transport is stopped")
-            if name in self._actors:
+            if name in self._actors or name in self._starting:
                 raise ConfigError(f"an actor named {name!r} already exists")
-            self._actors[name] = _ActorThread(name, factory(*args, **kwargs), self._lock)
+            self._starting.add(name)
+        try:                       # built outside the lock: the other actors' calls go on meanwhile
+            obj = factory(*args, **kwargs)
+        except BaseException:
+            with self._lock:
+                self._starting.discard(name)
+            raise
+        with self._lock:
+            self._starting.discard(name)
+            if not self._closed:
+                self._actors[name] = _ActorThread(name, obj, self._lock)
+                return
+        _release(obj)              # stopped while it was built: it never runs
+        raise TransportClosed(f"actor {name!r}: the transport was stopped while it started")
 
     def call(self, name: str, method: str, *args, timeout: float, direct: bool = False, **kwargs) -> cf.Future:
         timeout = check_timeout(timeout)

@@ -130,6 +130,19 @@ class LoaderActor(RoleActor):
         self.gen, self.refill_error = gen, None
         return self.loader.replay(snapshot, consumed)
 
+    def catch_up(self, gen: int, consumed: list) -> dict:
+        """A loader started for a reshard (:mod:`.reshard`) redoes the consumption of the steps since its
+        state (``consumed``: each step's sampled indices of its source), from where it is, and refills
+        for the next step; returns its state after those steps (as a :class:`Delivery` would). A
+        refill that fails is raised when the next step asks (``metadata()``), as after a delivery."""
+        self._check_gen(gen)
+        state = self.loader.catch_up(consumed)
+        try:
+            self.loader.fill()
+        except Exception as e:              # noqa: BLE001 - the next step's error, not this one's
+            self.refill_error = e
+        return state
+
     def exhausted(self) -> bool:
         return bool(self.loader.exhausted)
 

@@ -33,7 +33,7 @@ from .ahead import MetadataAhead
 from .recovery import Recovery
 from .refs import PLANNER
 from .releases import Releases
-from .reshard import reshard
+from .reshard import Resharding
 from .role import RoleActor, fail_all
 from .step import JobClosed, JobReset, JobState, plan_step, route
 from .transport import settle
@@ -58,7 +58,7 @@ class PlannerActor(RoleActor):
         self.parts = Parts(self.sources, parts, {s: args[1] for s, args in policy.loader_args.items()})
         self.owners: dict = {}                         # source -> which part holds each sample of this step
         self.autoscaler = autoscaler                   # mixture-driven scaling (scaling.AutoScaler), or None
-        self.reshards: list[dict] = []
+        self.reshards: list[dict] = []                 # reshards switched or aborted (see .reshard)
         self.clients, self.timeout, self.peers = int(clients), float(timeout), peers
         self.name = PLANNER
         self.gen = 0
@@ -72,6 +72,7 @@ class PlannerActor(RoleActor):
         self.planned_steps = 0
         self.recovery = Recovery(self, policy)
         self.ahead = MetadataAhead(self.recovery)
+        self.resharding = Resharding(self)             # the reshards under way
 
     @property
     def step(self) -> int:
@@ -194,10 +195,11 @@ class PlannerActor(RoleActor):
         self.planned_steps += 1
         for key in r.keys:
             r.shadows.follow(key, step + 1)
+        self.resharding.after_step(step, routes.sampled)
         if self.autoscaler is not None:
             counts = {s: len(idx) for s, idx in routes.sampled.items()}
-            for s, (k, workers) in self.autoscaler.observe(step, counts, self.parts.counts).items():
-                self.reshards.append({"step": step + 1, **reshard(self, s, k, workers)})
+            for s, (k, workers) in self.autoscaler.observe(step, counts, self.resharding.counts()).items():
+                self.resharding.start(s, k, workers, step)
 
     def _deliveries(self, gen: int, step: int, routes, names: list[str]) -> dict[str, tuple]:
         """Each loader's ``deliver`` arguments: the step's samples it holds, and where each goes."""
@@ -216,6 +218,7 @@ class PlannerActor(RoleActor):
         r = self.recovery
         if set(state[JobState.LOADERS]) != set(self.sources):
             raise ConfigError(f"state has sources {sorted(state[JobState.LOADERS])}, this job has {sorted(self.sources)}")
+        self.resharding.abort_all("a new generation (a loaded state, or a rewind)", self.step - 1)
         self.planner.load_state_dict(state[JobState.PLANNER])
         self.gen += 1
         self.feedback = FeedbackLog(state.get(JobState.FEEDBACK, []))
@@ -268,10 +271,13 @@ class PlannerActor(RoleActor):
                 "steps_planned": self.planned_steps, "consumed": dict(self.releases.consumed),
                 "pending_feedback": len(self.feedback), "recoveries": list(self.recovery.events),
                 "roles": self.roles(), "reshards": list(self.reshards),
+                "resharding": self.resharding.stats(),
                 "autoscaler": None if self.autoscaler is None else self.autoscaler.stats()}
 
     def close(self) -> None:
-        """Answer every waiting attach (the leader is leaving: nothing more will be planned)."""
+        """Answer every waiting attach (the leader is leaving: nothing more will be planned); give up
+        the reshards under way (their new actors closed)."""
         fail_all([item[3] for item in self.attach_waiting],
                  JobClosed("the job was closed by client 0 (the leader): no more steps are planned"))
         self.attach_waiting = []
+        self.resharding.close()

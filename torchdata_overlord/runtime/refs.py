@@ -94,6 +94,10 @@ class LoaderRef(ActorRef):
     def restore(self, gen, snapshot, consumed, timeout=None):
         return self._now("restore", gen, snapshot, consumed, timeout=timeout)
 
+    def catch_up(self, gen, consumed, timeout=None):
+        """On the loader's own thread: a reshard's new part catches up while the old parts serve."""
+        return self._call("catch_up", gen, consumed, timeout=timeout)
+
 
 class ConstructorRef(ActorRef):
     """A Data Constructor (:class:`~.constructor_actor.ConstructorActor`)."""

@@ -6,8 +6,9 @@ each source. Every ``interval`` steps the scaler re-runs the offline partition
 (:func:`~.partition.auto_partition`, same profiles and budget as the job's placement) with each source's
 moving-average share over the last ``window`` steps as its weight. A source whose actor count there
 differs from its current one for ``patience`` consecutive intervals is resized: the Planner starts
-the new data-parallel actors, moves the source's state into them and retires the old ones (see
-:meth:`~torchdata_overlord.runtime.planner_actor.PlannerActor.reshard`). The stream does not change:
+the new data-parallel actors, moves the source's state into them and retires the old ones once they
+caught up, while the old ones serve (see :mod:`~torchdata_overlord.runtime.reshard`; ``current`` counts a
+source being resharded at its new size). The stream does not change:
 merged parts are exactly one loader (:mod:`~torchdata_overlord.roles.loader_parts`).
 """
 
