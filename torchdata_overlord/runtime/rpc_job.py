@@ -80,7 +80,8 @@ class RpcJob(Job):
         sources = list(sources)
         starts_roles = transport is None and address is None and self._rank(group) == 0
         if starts_roles:
-            from .rpc_session import prestart_fork_server
+            from .rpc_session import preload_also, prestart_fork_server
+            preload_also(m for s in sources for m in getattr(getattr(s, "transform", None), "preload", ()))
             prestart_fork_server()          # its torch import overlaps the profiling and placement below
         plan = self._placement(placement, sources, strategy, mesh, global_batch, seed, constructors, buffer_size,
                                checkpoint_dir, bool(shadows), n_workers, actors,

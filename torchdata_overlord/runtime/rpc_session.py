@@ -29,12 +29,22 @@ from .rpc_agent import CPP_ERRORS_ONLY, LOOPBACK_ENV, TransportStartupError, set
 from .transport import TransportClosed
 
 __all__ = ["RpcSession", "open_spawned", "open_joined", "spawn_workers", "exited_during_start_up",
-           "prestart_fork_server"]
+           "prestart_fork_server", "preload_also"]
 
 #: what the fork server imports once, so every worker (spares included) starts with it in shared pages
 PRELOAD = ["torch", "torch.distributed.rpc", "pyarrow.parquet", W.__name__, "torchdata_overlord.runtime.planner_actor",
            "torchdata_overlord.transforms"]
 FIRST_JOB = "0/"
+_ALSO: list[str] = []                         # modules the jobs' transforms asked the fork server to import
+
+
+def preload_also(modules) -> None:
+    """Have the fork server import ``modules`` too (a transform's ``preload``, e.g. torchvision for
+    images): a loader actor started later, by a reshard or a recovery, then does not import them under
+    the GIL of a process whose other actors serve steps. Only before the fork server starts."""
+    for m in modules:
+        if m not in _ALSO:
+            _ALSO.append(m)
 
 _LOCK = threading.Lock()                      # held while a session starts, joins, gains or loses a job
 _CURRENT: "RpcSession | None" = None
@@ -45,7 +55,7 @@ def prestart_fork_server() -> None:
     seconds on a small machine, in its own process), so that import overlaps what this process does
     before it spawns the workers: profiling the sources, placing the roles."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(PRELOAD + _ALSO)
     from multiprocessing import forkserver
     forkserver.ensure_running()
 
@@ -56,7 +66,7 @@ def spawn_workers(members: list[tuple[str, int]], rendezvous: dict, rpc_timeout:
     list) is closed or its parent dies. Workers come from the fork server, which preloads torch."""
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx.set_forkserver_preload(PRELOAD + _ALSO)
     procs, conns = [], []
     for name, rank in members:
         r, w = ctx.Pipe(duplex=False)

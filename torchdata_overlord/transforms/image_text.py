@@ -94,8 +94,11 @@ class ImageText:
 
     One image per row: ``pixels`` is ``3xHxW`` uint8 with H, W multiples of ``patch``; ``grid`` is
     ``(H // patch, W // patch)``; ``image_patches`` lists per-image patch counts for the Planner's costs.
-    Text is tokenized exactly as :class:`Tokenize` does.
+    Text is tokenized exactly as :class:`Tokenize` does. ``preload``: what the rpc runtime's fork server
+    imports for it, so a loader actor started mid-run (a reshard, a recovery) decodes at once.
     """
+
+    preload = ("torchvision.io", "torchvision.transforms.v2.functional")
 
     def __init__(self, model: str | os.PathLike, image_field: str = "image", text_field: str = "text",
                  patch: int = 14, max_side: int = 448, min_side: int | None = None, add_bos: bool = True,
