@@ -90,7 +90,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")          # one intra-op thread in 
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
-import shutil  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -102,7 +101,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import building, process_tree, write_results  # noqa: E402
 
 import torchdata_overlord as ol  # noqa: E402
 from torchdata_overlord.sim.fault_run import digest  # noqa: E402
@@ -171,10 +170,7 @@ def build_corpus(root: Path, spec: dict, seed: int = 0) -> dict:
         if foreign:
             raise RuntimeError(f"{root} holds files this benchmark did not write ({foreign[:3]}); pass another --root")
     t0 = time.perf_counter()
-    tmp = root.parent / f".{root.name}.build-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with building(root) as tmp:
         rng = np.random.default_rng([seed, 13])
         t, im = spec["text"], spec["image"]
         tokens = np.clip(rng.lognormal(np.log(t["median_tokens"]), 0.6, t["rows"]), 64, 6000)
@@ -210,12 +206,6 @@ def build_corpus(root: Path, spec: dict, seed: int = 0) -> dict:
                     "text_tokens_median_target": t["median_tokens"],
                     "build_s": round(time.perf_counter() - t0, 1)}
         (tmp / "manifest.json").write_text(json.dumps(manifest))
-        if root.exists():
-            shutil.rmtree(root)
-        os.rename(tmp, root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(f"corpus: text {t['rows']} docs, image {n} JPEGs ({sources['image']['row_groups']} row groups) written to "
           f"{root} in {manifest['build_s']} s", flush=True)
     return {**manifest, "root": str(root)}
@@ -243,25 +233,6 @@ def placements(corpus: dict, cores: float, global_batch: int) -> tuple[dict, dic
 
 
 # ------------------------------------------------------------------------------ measuring (child process)
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants, from ``/proc/<pid>/task/*/children``."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-            except OSError:
-                continue
-    return out
-
 
 def tree_cpu(pid: int) -> dict[int, float]:
     """CPU-seconds (user + system) of ``pid`` and each descendant."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -51,3 +53,39 @@ def spawn_one(script: str, kind: str, args: dict, mark: str, timeout: float, cwd
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{kind} run failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return json.loads(lines[-1][len(mark):])
+
+
+@contextlib.contextmanager
+def building(root: Path):
+    """A fresh folder beside ``root`` to write a corpus into: on success it replaces ``root`` in one
+    rename (a reader never sees half a corpus), on failure it is removed."""
+    tmp = root.parent / f".{root.name}.build-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if root.exists():
+            shutil.rmtree(root)
+        os.rename(tmp, root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants, from ``/proc/<pid>/task/*/children``."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+    return out

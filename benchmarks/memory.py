@@ -75,7 +75,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import building, process_tree, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,10 +180,7 @@ def build_corpus(root: Path, n_sources: int, row_group_mib: float, files: int, r
             raise RuntimeError(f"{root} holds files this benchmark did not write ({foreign[:3]}); pass another --root")
         shutil.rmtree(root)                       # the old corpus goes first: two would not fit the disk
     t0 = time.perf_counter()
-    tmp = root.parent / f".{root.name}.build-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with building(root) as tmp:
         rng = np.random.default_rng(seed)
         sentences = make_text_corpus(20_000, seed=seed, min_words=8, max_words=30)
         sizes = np.clip(rng.lognormal(np.log(12), 0.6, 4000), 2, 80).astype(int)     # sentences per document
@@ -209,10 +206,6 @@ def build_corpus(root: Path, n_sources: int, row_group_mib: float, files: int, r
                     "disk_mib": round(sum(p.stat().st_size for p in tmp.rglob("*.parquet")) / 2**20, 1),
                     "build_s": round(time.perf_counter() - t0, 1)}
         (tmp / "manifest.json").write_text(json.dumps(manifest))
-        os.rename(tmp, root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(f"corpus: {n_sources} sources x {files} files x {row_groups} row groups of {per_rg} rows "
           f"(~{kib} KiB, {manifest['disk_mib']:.0f} MiB on disk) written to {root} in {manifest['build_s']} s",
           flush=True)
@@ -220,25 +213,6 @@ def build_corpus(root: Path, n_sources: int, row_group_mib: float, files: int, r
 
 
 # ------------------------------------------------------------------------------ measuring (child processes)
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants, from ``/proc/<pid>/task/*/children``."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-            except OSError:
-                continue
-    return out
-
 
 def smaps(pid: int) -> tuple[float, float, float] | None:
     """``(anonymous PSS, file PSS, anonymous RSS)`` of ``pid`` in MiB from ``/proc/<pid>/smaps_rollup``:

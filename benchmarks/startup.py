@@ -51,7 +51,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import spawn_one, write_results  # noqa: E402
+from common import building, spawn_one, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,10 +91,7 @@ def build_many_files(root: Path, files: int, rows: int, per_dir: int, seed: int 
                              for p in root.iterdir()):
         raise RuntimeError(f"{root} holds files this benchmark did not write; pass another --root")
     t0 = time.perf_counter()
-    tmp = root.parent / f".{root.name}.build-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with building(root) as tmp:
         sentences = make_text_corpus(5000, seed=seed, min_words=8, max_words=30)
         train_sentencepiece(sentences[:2000], tmp / "tokenizer", vocab_size=500)
         rng = np.random.default_rng(seed)
@@ -107,12 +104,6 @@ def build_many_files(root: Path, files: int, rows: int, per_dir: int, seed: int 
             pq.write_table(pa.table({"id": ids, "text": text}), folder / f"part-{i:06d}.parquet")
         manifest = {"config": config, "build_s": round(time.perf_counter() - t0, 1)}
         (tmp / "manifest.json").write_text(json.dumps(manifest))
-        if root.exists():
-            shutil.rmtree(root)
-        os.rename(tmp, root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(f"corpus: {files:,} files of {rows} rows written to {root} in {manifest['build_s']} s", flush=True)
     return {**manifest, "root": str(root)}
 
