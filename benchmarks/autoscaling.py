@@ -90,7 +90,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")          # one intra-op thread in 
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -101,7 +100,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import building, process_tree, write_results  # noqa: E402
+from common import building, process_tree, reap, write_results  # noqa: E402
 
 import torchdata_overlord as ol  # noqa: E402
 from torchdata_overlord.sim.fault_run import digest  # noqa: E402
@@ -406,8 +405,6 @@ def run_child(cfg: dict) -> dict:
 
 def child(cfg: dict, timeout: float) -> dict:
     """Run one configuration in a fresh process; its result, after checking every process it saw is gone."""
-    from torchdata_overlord.runtime.procstats import process_running as alive
-
     with tempfile.TemporaryDirectory(prefix="overlord-autoscale-") as tmp:
         (Path(tmp) / "cfg.json").write_text(json.dumps(cfg))
         out = Path(tmp) / "out.json"
@@ -418,17 +415,7 @@ def child(cfg: dict, timeout: float) -> dict:
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"{cfg['name']} run failed (rc {proc.returncode}): {proc.stderr[-3000:]}")
         rep = json.loads(out.read_text())
-    deadline = time.monotonic() + 20                 # orphans see their parent's exit within a few seconds
-    left = [p for p in rep["pids_seen"] if alive(p)]
-    while left and time.monotonic() < deadline:
-        threading.Event().wait(0.1)
-        left = [p for p in left if alive(p)]
-    for p in left:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    rep["left_behind"] = left
+    left = rep["left_behind"] = reap(rep["pids_seen"])
     if left:
         raise RuntimeError(f"{cfg['name']} run left processes behind: {left} (killed)")
     return rep

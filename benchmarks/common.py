@@ -89,3 +89,25 @@ def process_tree(pid: int) -> list[int]:
             except OSError:
                 continue
     return out
+
+
+def reap(pids, wait: float = 20.0) -> list[int]:
+    """The processes of ``pids`` (every one a finished run saw) still alive after ``wait`` seconds, then
+    SIGKILLed: a run's orphans see their parent's exit within a few seconds, so any left is a leak."""
+    import signal
+    import threading
+    import time
+
+    from torchdata_overlord.runtime.procstats import process_running
+
+    deadline = time.monotonic() + wait
+    left = [p for p in pids if process_running(p)]
+    while left and time.monotonic() < deadline:
+        threading.Event().wait(0.1)                  # polling /proc for the exits, bounded by the deadline
+        left = [p for p in left if process_running(p)]
+    for p in left:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left

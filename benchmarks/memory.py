@@ -75,7 +75,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import building, process_tree, write_results  # noqa: E402
+from common import building, process_tree, reap, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -589,8 +589,6 @@ def child(kind: str, cfg: dict, timeout: float) -> dict:
     """Run ``run_<kind>(cfg)`` in a fresh process (each run starts from the same footprint), killed
     (:class:`Skipped`) if ``MemAvailable`` falls below the guard's floor; its result, after checking
     that every process it recorded is gone."""
-    from torchdata_overlord.runtime.procstats import process_running as alive
-
     floor = MEMORY_GUARD["floor_gib"] * 1024
     with tempfile.TemporaryDirectory(prefix="overlord-mem-") as tmp:
         (Path(tmp) / "cfg.json").write_text(json.dumps(cfg))
@@ -616,16 +614,7 @@ def child(kind: str, cfg: dict, timeout: float) -> dict:
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"{kind} run failed (rc {proc.returncode}): {err.read_text()[-3000:]}")
         rep = json.loads(out.read_text())
-    deadline = time.monotonic() + 20                 # orphans see their parent's exit within a few seconds
-    left = [p for p in rep["pids_seen"] if alive(p)]
-    while left and time.monotonic() < deadline:
-        threading.Event().wait(0.1)                  # polling /proc for the exits, bounded by the deadline
-        left = [p for p in left if alive(p)]
-    for p in left:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    left = reap(rep["pids_seen"])
     if left:
         raise RuntimeError(f"{kind} run left processes behind: {left} (killed)")
     return rep
