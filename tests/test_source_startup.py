@@ -279,6 +279,48 @@ def test_file_table_of_100k_files_pickles_small_and_round_trips():
     assert list(back.fs_index) == [0] * n and back.filesystems[0].type_name == "local"
 
 
+
+@pytest.mark.parametrize("seed", range(4))
+def test_file_tables_of_random_shapes_round_trip_through_pickle_and_json(seed, tmp_path):
+    """Files of 0..3 row groups (or all of one: the one-group fast path), two schemas: pickled and
+    journaled tables give back every column."""
+    from torchdata_overlord.sources.metadata_cache import load_journal, save_journal
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 60))
+    one = seed % 2 == 0
+    groups = [(int(rng.integers(1, 9)),) if one else tuple(int(x) for x in rng.integers(1, 9, rng.integers(0, 4)))
+              for _ in range(n)]
+    a, b = ["id", "text"], ["text"]
+    names = [a if rng.random() < 0.5 else b for _ in range(n)]
+    t = FileTable([f"/d/{i:03d}.parquet" for i in range(n)], rng.integers(0, 10**6, n).tolist(),
+                  rng.integers(-1, 10**12, n).tolist(), groups, names, (), [pafs.LocalFileSystem()],
+                  np.zeros(n, np.int32))
+    path = str(tmp_path / "j.json")
+    save_journal(path, "parquet", t)
+    for back in (pickle.loads(pickle.dumps(t)), load_journal(path, "parquet")):
+        assert (back.shown, back.size, back.mtime, back.groups) == (t.shown, t.size, t.mtime, groups)
+        assert back.names == names and all(isinstance(g, tuple) for g in back.groups)
+
+
+def test_a_folder_of_folders_lists_every_parquet_file_at_every_depth(tmp_path):
+    """A folder source finds the files at its top and in nested subfolders (listed on threads), and
+    nothing else; ``**`` (zero or more folders) globs the same; the order is the sorted paths'."""
+    root = tmp_path / "corpus"
+    rng = np.random.default_rng(0)
+    made = []
+    for k, rel in enumerate(["top.parquet", "a/x.parquet", "a/b/y.parquet", "a/b/c/z.parquet", "d/w.parquet",
+                             "e/f/v.parquet"] + [f"g{i}/u.parquet" for i in range(7)]):
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        made.append(str(write(p, range(k * 10, k * 10 + int(rng.integers(1, 5))), 2)))
+    (root / "a" / "notes.txt").write_text("not parquet")
+    (root / "empty").mkdir()
+    src = ParquetSource("s", str(root), metadata_cache=False)
+    assert src.files == sorted(made)
+    assert ParquetSource("s", str(root / "**" / "*.parquet"), metadata_cache=False).files == sorted(made)
+    assert ParquetSource("s", str(root / "a" / "**" / "?.parquet"), metadata_cache=False).files == \
+        sorted(m for m in made if "/a/" in m)
+
 # ---- the state format, and text files ---------------------------------------------------------
 
 def test_the_state_format_and_an_old_state_loads(data, tmp_path):

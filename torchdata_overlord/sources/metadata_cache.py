@@ -20,6 +20,7 @@ directory that cannot be written means no journal (logged once, at debug level).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -80,17 +81,15 @@ class FileTable:
         """The table as plain columns (JSON-able lists; each schema once)."""
         prefix = _prefix(self.shown)
         cut = len(prefix)
+        ids = list(map(id, self.names))                   # files of one schema share its names list
+        first = dict(zip(ids, self.names))
+        index: dict[int, int] = {}
         schemas: dict[tuple, int] = {}
-        by_id: dict[int, int] = {}
-        schema = []
-        for n in self.names:
-            k = by_id.get(id(n))
-            if k is None:
-                k = by_id[id(n)] = schemas.setdefault(tuple(n), len(schemas))
-            schema.append(k)
+        for k, n in first.items():
+            index[k] = schemas.setdefault(tuple(n), len(schemas))
         return {"version": VERSION, "prefix": prefix, "tails": [s[cut:] for s in self.shown], "size": self.size,
-                "mtime": self.mtime, "ngroups": [len(g) for g in self.groups],
-                "groups": [n for g in self.groups for n in g], "schema": schema,
+                "mtime": self.mtime, "ngroups": list(map(len, self.groups)),
+                "groups": list(itertools.chain.from_iterable(self.groups)), "schema": list(map(index.__getitem__, ids)),
                 "schemas": [list(k) for k in schemas], "skipped": self.skipped}
 
     @classmethod
@@ -101,7 +100,7 @@ class FileTable:
         prefix, tails, schemas = c["prefix"], c["tails"], c["schemas"]
         n = len(tails)
         cols = {k: np.asarray(c[k], np.int64) for k in _INTS}
-        if not isinstance(prefix, str) or not all(isinstance(t, str) for t in tails):
+        if not isinstance(prefix, str) or not set(map(type, tails)) <= {str}:
             raise TypeError("paths must be strings")
         if not all(isinstance(s, list) and all(isinstance(x, str) for x in s) for s in schemas):
             raise TypeError("schemas must be lists of column names")
@@ -113,8 +112,11 @@ class FileTable:
                 (len(cols["groups"]) and cols["groups"].min() < 0):
             raise ValueError("a negative count or a schema index out of range")
         flat = cols["groups"].tolist()
-        ends = np.cumsum(ngroups).tolist()
-        groups = [tuple(flat[a:b]) for a, b in zip([0] + ends[:-1], ends)]
+        if n and ngroups.min() == ngroups.max() == 1:      # one row group a file (small files): a C loop
+            groups = list(zip(flat))
+        else:
+            it = iter(flat)
+            groups = [tuple(itertools.islice(it, k)) for k in ngroups.tolist()]
         shown = [prefix + t for t in tails] if prefix else list(tails)
         return cls(shown, cols["size"].tolist(), cols["mtime"].tolist(), groups, [schemas[k] for k in schema.tolist()],
                    [[str(f), str(e)] for f, e in c.get("skipped", [])])
@@ -136,8 +138,7 @@ def _small(a: np.ndarray) -> np.ndarray:
 
 
 def _unpack(packed: dict, filesystems: list, fs_index) -> FileTable:
-    c = {**packed, "tails": packed["tails"].split("\0") if packed["count"] else [],
-         **{k: packed[k].tolist() for k in _INTS}}
+    c = {**packed, "tails": packed["tails"].split("\0") if packed["count"] else []}     # int columns: arrays
     table = FileTable.from_columns(c)
     table.filesystems, table.fs_index = list(filesystems), fs_index
     return table

@@ -104,10 +104,28 @@ def _expand(fs: pafs.FileSystem, pattern: str) -> list[tuple[str, int, int | Non
     return sorted(x for x in _listing(fs, base, "/" in pattern[m.start():]) if rx.fullmatch(x[0]))
 
 
+LIST_THREADS = 4        # threads listing the subfolders of a folder (pyarrow lists without the GIL)
+
+
 def _listing(fs: pafs.FileSystem, base: str, recursive: bool) -> list[tuple[str, int, int | None]]:
-    """The files under directory ``base`` of ``fs`` as ``(path, size, mtime_ns)``; [] if it is missing
-    (``is_file``, not ``type == FileType.File``: over 100,000 files the enum costs a third of the listing)."""
-    infos = fs.get_file_info(pafs.FileSelector(base, recursive=recursive, allow_not_found=True))
+    """The files under directory ``base`` of ``fs`` as ``(path, size, mtime_ns)``, unordered; [] if it is
+    missing. A recursive listing of a folder of folders lists each subfolder on a thread (100,000 files
+    in 100 folders: 0.5 -> 0.3 s here). ``is_file``, not ``type == FileType.File``: over 100,000
+    files the enum costs a third of the listing."""
+    infos = fs.get_file_info(pafs.FileSelector(base, recursive=False, allow_not_found=True))
+    out = [(i.path, i.size, i.mtime_ns) for i in infos if i.is_file]
+    subdirs = [i.path for i in infos if not i.is_file and i.type == pafs.FileType.Directory] if recursive else []
+    if len(subdirs) > 1:
+        with ThreadPoolExecutor(min(LIST_THREADS, len(subdirs)), thread_name_prefix="overlord-list") as pool:
+            for part in pool.map(lambda d: _listing_all(fs, d), subdirs):
+                out += part
+    elif subdirs:
+        out += _listing_all(fs, subdirs[0])
+    return out
+
+
+def _listing_all(fs: pafs.FileSystem, base: str) -> list[tuple[str, int, int | None]]:
+    infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
     return [(i.path, i.size, i.mtime_ns) for i in infos if i.is_file]
 
 
