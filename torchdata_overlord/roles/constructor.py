@@ -43,8 +43,8 @@ import torch
 from ..errors import ConfigError, OverlordError, OversizeSampleError
 from ..plane.plan import Plan, PlanItem, row_cp
 from ..plane.records import SampleKey
-from ..transforms.cp_split import split_packed, zigzag_indices
-from ..transforms.packing import pack
+from ..transforms.cp_split import _packed_indices, zigzag_indices
+from ..transforms.packing import PER_TOKEN_FIELDS, _pack_arrays, _row_length
 
 __all__ = ["DataConstructor", "MissingSampleError", "sequence_length", "sequence_of", "record_images",
            "image_key", "bucket_inputs", "receives_nothing"]
@@ -92,14 +92,15 @@ def record_images(record: Mapping[str, Any]) -> list[tuple[torch.Tensor, tuple[i
     return list(zip(pixels, grids, patches))
 
 
-def _text_ids(record: Mapping[str, Any]) -> torch.Tensor:
-    return torch.as_tensor(record["input_ids"]).reshape(-1).to(torch.int64)
+def _text_ids(record: Mapping[str, Any]) -> np.ndarray:
+    """A record's text ids as int64 numpy (a view of its tensor where it is one)."""
+    return torch.as_tensor(record["input_ids"]).reshape(-1).numpy().astype(np.int64, copy=False)
 
 
 def sequence_length(record: Mapping[str, Any], image_token_id: int | None) -> int:
     """Backbone tokens of a record: its text tokens, plus its patches when it has pixels and
     ``image_token_id`` is not None (the token count a Source Loader reports to the Planner)."""
-    n = int(_text_ids(record).numel())
+    n = len(_text_ids(record))
     if image_token_id is not None:
         n += sum(p for _, _, p in record_images(record))
     return n
@@ -107,13 +108,14 @@ def sequence_length(record: Mapping[str, Any], image_token_id: int | None) -> in
 
 def sequence_of(record: Mapping[str, Any], image_token_id: int | None) -> torch.Tensor:
     """The backbone sequence (int64, 1-D): ``[image_token_id] * patches`` per image, then the text ids."""
+    return torch.from_numpy(_sequence(record, image_token_id, record_images(record)))
+
+
+def _sequence(record: Mapping[str, Any], image_token_id: int | None, images: list) -> np.ndarray:
+    """:func:`sequence_of` as numpy, given the record's :func:`record_images`."""
     ids = _text_ids(record)
-    if image_token_id is None:
-        return ids
-    n = sum(p for _, _, p in record_images(record))
-    if not n:
-        return ids
-    return torch.cat([torch.full((n,), int(image_token_id), dtype=torch.int64), ids])
+    n = sum(p for _, _, p in images) if image_token_id is not None else 0
+    return np.concatenate([np.full(n, int(image_token_id), np.int64), ids]) if n else ids
 
 
 def image_key(key: SampleKey, i: int, n: int) -> str:
@@ -211,8 +213,10 @@ class DataConstructor:
                               f"packed rows over {cp} CP ranks; choose seq_len={-(-self.seq_len // (2 * cp)) * 2 * cp}")
         encoder = plan.modules.get("encoder")
         enc_rank = self._encoder_ranks(encoder) if encoder is not None else None
-        rows = [self._microbatch(plan, bucket, m, items, samples, cp, enc_rank)
-                for m, items in enumerate(plan.bucket_microbatches(bucket))]
+        built = [self._microbatch(plan, bucket, m, items, samples, cp, enc_rank)
+                 for m, items in enumerate(plan.bucket_microbatches(bucket))]
+        scalars = {r: torch.tensor(r) for r in range(cp)} if cp > 1 else {}
+        scalars["size"] = torch.tensor(cp)
         pp_last = plan.mesh.sizes.get("pp", 1) - 1
         out: dict[int, object] = {}
         enc_cache: dict[int, dict] = {}
@@ -225,9 +229,9 @@ class DataConstructor:
                 c = plan.mesh.coords(r)
                 cp_rank = c.get("cp", 0)
                 mbs = []
-                for m, row in enumerate(rows):
+                for m, (row, arrays) in enumerate(built):
                     if cp > 1 and (m, cp_rank) not in splits:
-                        splits[m, cp_rank] = split_packed({k: row[k] for k in _SPLIT_FIELDS}, cp, cp_rank)
+                        splits[m, cp_rank] = self._split(row, arrays, cp, cp_rank, scalars)
                     mbs.append(self._client_view(row, splits.get((m, cp_rank)), delivery == "metadata",
                                                  c.get("pp", 0) == pp_last))
             out[r] = {"delivery": delivery, "microbatches": mbs,
@@ -265,10 +269,10 @@ class DataConstructor:
         return a, b
 
     def _segment(self, plan: Plan, item: PlanItem, record: dict) -> _Segment:
-        full = sequence_of(record, self.image_token_id)
-        a, b = self._bounds(plan, item, int(full.numel()))
-        piece = full[a:b]
         imgs = record_images(record)
+        full = _sequence(record, self.image_token_id, imgs)
+        a, b = self._bounds(plan, item, len(full))
+        piece = full[a:b]
         seg = _Segment(item, piece)
         # where each image's placeholder run sits in the full sequence
         runs, pos = [], 0
@@ -278,17 +282,17 @@ class DataConstructor:
         if item.nshards > 1:
             k, T = item.nshards, b - a
             padded_len = -(-T // (2 * k)) * 2 * k
-            idx = zigzag_indices(padded_len, k, item.shard)
-            padded = torch.full((padded_len,), self.pad_id, dtype=torch.int64)
+            idx = zigzag_indices(padded_len, k, item.shard).numpy()
+            padded = np.full(padded_len, self.pad_id, np.int64)
             padded[:T] = piece
-            labels = torch.full((padded_len,), self.ignore_index, dtype=torch.int64)
+            labels = np.full(padded_len, self.ignore_index, np.int64)
             labels[:T - 1] = piece[1:]
-            mask = torch.zeros(padded_len, dtype=torch.bool)
+            mask = np.zeros(padded_len, bool)
             mask[:T - 1] = True
             seg.ids = padded[idx[idx < T]]         # the shard's real tokens come first (padding ends the piece)
-            seg.padded = int(idx.numel())
-            seg.overrides = {"labels": labels[idx], "loss_mask": mask[idx], "position_ids": idx.clone()}
-            seg.span = {"key": str(item.key), "shard": item.shard, "nshards": k, "token_index": idx,
+            seg.padded = len(idx)
+            seg.overrides = {"labels": labels[idx], "loss_mask": mask[idx], "position_ids": idx.copy()}
+            seg.span = {"key": str(item.key), "shard": item.shard, "nshards": k, "token_index": torch.from_numpy(idx),
                         "tokens": T, "piece": item.piece, "npieces": item.npieces}
             for ik, px, grid, s, p in runs:        # images whose placeholders this shard holds
                 lo, hi = max(a, s) - a, min(b, s + p) - a
@@ -310,15 +314,16 @@ class DataConstructor:
 
     # -- packing -----------------------------------------------------------------------------------
     def _microbatch(self, plan: Plan, bucket: int, m: int, items: list[PlanItem], samples, cp: int,
-                    enc_rank) -> dict:
+                    enc_rank) -> tuple[dict, dict]:
         segs = [self._segment(plan, it, self._sample(samples, it.key, plan.step, bucket, f"microbatch {m}"))
                 for it in items]
         mult = 2 * cp if cp > 1 else 1                 # every sequence padded to a multiple of 2*cp (THD with CP)
         seq_len = self.seq_len if self.seq_len is not None or segs else mult   # an empty microbatch: padding
-        padded = [s.padded if s.padded is not None else -(-int(s.ids.numel()) // mult) * mult for s in segs]
+        ids = [s.ids for s in segs]
+        lengths = [len(x) for x in ids]
+        padded = [s.padded if s.padded is not None else -(-n // mult) * mult for s, n in zip(segs, lengths)]
         try:
-            row = pack([s.ids for s in segs], seq_len, self.pad_id, self.ignore_index, pad_to_multiple=mult,
-                       padded_lengths=padded)
+            length = _row_length(lengths, padded, seq_len, mult)
         except OversizeSampleError as e:
             names = [str(s.item.key) for s in segs[:6]] + (["..."] if len(segs) > 6 else [])
             raise OversizeSampleError(
@@ -326,15 +331,17 @@ class DataConstructor:
                 f"{self.seq_len} ({len(segs)} sequences: {', '.join(names)}); plan with max_tokens <= seq_len "
                 f"(with cp > 1 every sequence takes a multiple of 2*cp tokens; a sequence spanning k CP ranks takes "
                 f"2*ceil(n / 2k) tokens per rank)") from e
-        cu = row["cu_seqlens_padded"].tolist()         # where each sequence sits in the row
+        arrays = _pack_arrays(ids, lengths, padded, length, self.pad_id, self.ignore_index)   # pack(), in numpy
+        cu = arrays["cu_seqlens_padded"].tolist()         # where each sequence sits in the row
         spans = []
         for j, s in enumerate(segs):
             if s.span is None:
                 continue
             lo, hi = cu[j], cu[j + 1]
             for k, v in s.overrides.items():
-                row[k][lo:hi] = v.to(row[k].dtype)
+                arrays[k][lo:hi] = v
             spans.append({**s.span, "segment": j, "offset": lo, "length": hi - lo})
+        row: dict = {k: torch.from_numpy(v) for k, v in arrays.items()}
         row["sample_keys"] = [str(s.item.key) for s in segs]
         row["spans"] = spans
         images = [(j, im) for j, s in enumerate(segs) for im in s.images]
@@ -354,7 +361,16 @@ class DataConstructor:
                 row["image_encoder_rank"] = torch.tensor(
                     [self._encoder_rank_of(enc_rank, segs[j].item.key, plan.step) for j, _ in images],
                     dtype=torch.int64)
-        return row
+        return row, arrays
+
+    @staticmethod
+    def _split(row: dict, arrays: dict, cp: int, rank: int, scalars: dict) -> dict:
+        """CP ``rank``'s zig-zag shard of a packed row, as :func:`~torchdata_overlord.transforms.split_packed`
+        gives it, taken from the row's numpy arrays (the 0-d ``cp_rank``/``cp_size`` shared by its rows)."""
+        idx = _packed_indices(arrays["cu_seqlens_padded"], cp, rank)
+        out = {k: (torch.from_numpy(arrays[k][idx]) if k in PER_TOKEN_FIELDS else row[k]) for k in _SPLIT_FIELDS}
+        out["cp_rank"], out["cp_size"], out["token_index"] = scalars[rank], scalars["size"], torch.from_numpy(idx)
+        return out
 
     def _client_view(self, row: dict, split: dict | None, metadata: bool, last_stage: bool) -> dict:
         out = dict(row)

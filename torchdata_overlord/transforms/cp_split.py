@@ -10,6 +10,7 @@ sequence, pairing a cheap chunk with an expensive one. ``cu_seqlens``, ``cu_seql
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError
@@ -61,21 +62,26 @@ def packed_indices(cu_seqlens_padded: torch.Tensor, cp: int, rank: int) -> torch
     """Row positions (int64) that CP ``rank`` holds of a packed row: for every entry of
     ``cu_seqlens_padded`` in order, its chunks ``rank`` and ``2*cp-1-rank`` (TransformerEngine's
     ``thd_get_partitioned_indices``). Every entry's length must be a multiple of 2*cp."""
+    cu = torch.as_tensor(cu_seqlens_padded)
+    return torch.from_numpy(_packed_indices(cu.detach().cpu().numpy(), cp, rank)).to(cu.device)
+
+
+def _packed_indices(cu_seqlens_padded: np.ndarray, cp: int, rank: int) -> np.ndarray:
+    """:func:`packed_indices` in numpy (whole-row operations: a row of many sequences costs no more calls)."""
     _check_cp(cp, rank)
-    cu = cu_seqlens_padded.to(torch.int64)
+    cu = cu_seqlens_padded.astype(np.int64)
     lens = cu[1:] - cu[:-1]
-    bad = torch.nonzero(lens % (2 * cp)).flatten()
-    if bad.numel():
+    bad = np.flatnonzero(lens % (2 * cp))
+    if len(bad):
         j = int(bad[0])
         raise ConfigError(f"entry {j} of the packed row is {int(lens[j])} tokens long, not a multiple of 2*cp={2 * cp}; "
                           f"pack with sequence_multiple={2 * cp} (or call pad_for_cp(packed, cp)) before splitting")
     c = lens // (2 * cp)
-    starts = torch.stack([cu[:-1] + rank * c, cu[:-1] + (2 * cp - 1 - rank) * c], 1).flatten()
-    sizes = c.repeat_interleave(2)
+    starts = np.stack([cu[:-1] + rank * c, cu[:-1] + (2 * cp - 1 - rank) * c], 1).reshape(-1)
+    sizes = np.repeat(c, 2)
     n = int(sizes.sum())
-    within = torch.arange(n, device=cu.device) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes,
-                                                                         output_size=n)
-    return torch.repeat_interleave(starts, sizes, output_size=n) + within
+    within = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    return np.repeat(starts, sizes) + within
 
 
 def zigzag_split(tensor: torch.Tensor, cp: int, rank: int, dim: int = -1) -> torch.Tensor:
@@ -108,13 +114,25 @@ def split_packed(packed: dict[str, torch.Tensor], cp: int, rank: int,
     """
     length = packed["input_ids"].shape[-1]
     _check(length, cp, rank)
-    idx = packed_indices(packed["cu_seqlens_padded"], cp, rank).to(packed["input_ids"].device)
-    out = {k: (v.index_select(-1, idx) if k in token_fields else v) for k, v in packed.items()}
-    dev = packed["input_ids"].device
-    out["cp_rank"] = torch.tensor(rank, device=dev)
-    out["cp_size"] = torch.tensor(cp, device=dev)
+    ids = packed["input_ids"]
+    idx_np = _packed_indices(packed["cu_seqlens_padded"].detach().cpu().numpy(), cp, rank)
+    idx = torch.from_numpy(idx_np).to(ids.device)
+    out = {k: (_take(v, idx_np, idx) if k in token_fields else v) for k, v in packed.items()}
+    out["cp_rank"] = torch.tensor(rank, device=ids.device)
+    out["cp_size"] = torch.tensor(cp, device=ids.device)
     out["token_index"] = idx
     return out
+
+
+def _take(v: torch.Tensor, idx_np: np.ndarray, idx: torch.Tensor) -> torch.Tensor:
+    """``v.index_select(-1, idx)``; through numpy for a plain CPU tensor (a torch call costs ~10x here)."""
+    if v.device.type == "cpu" and not v.requires_grad and v.dtype in _NUMPY_DTYPES:
+        return torch.from_numpy(np.take(v.numpy(), idx_np, -1))
+    return v.index_select(-1, idx)
+
+
+_NUMPY_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                 torch.float32, torch.float64}
 
 
 def merge_packed(shards: list[dict[str, torch.Tensor]],

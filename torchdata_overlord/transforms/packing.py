@@ -21,6 +21,7 @@ Conventions (TransformerEngine THD; all per-token fields have length L):
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError, OversizeSampleError
@@ -31,13 +32,14 @@ __all__ = ["PER_TOKEN_FIELDS", "pack", "unpack", "attention_mask_from_segments"]
 PER_TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids", "segment_ids")
 
 
-def _as_tokens(seq, k: int) -> torch.Tensor:
-    """Check one sequence is a 1-D integer tensor and return it as int64."""
+def _as_tokens(seq, k: int) -> np.ndarray:
+    """Check one sequence is a 1-D integer tensor (or array, or list) and return it as int64 numpy (a
+    view where it already is one)."""
     t = torch.as_tensor(seq)
     if t.dim() != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise ConfigError(f"pack: sequences[{k}] must be a 1-D integer tensor of token ids, "
                           f"got dtype {t.dtype} and shape {tuple(t.shape)}")
-    return t.to(torch.int64)
+    return t.detach().cpu().numpy().astype(np.int64, copy=False)
 
 
 def _padded_lengths(lengths: list[int], sequence_multiple: int, padded_lengths) -> list[int]:
@@ -70,34 +72,42 @@ def pack(sequences: list[torch.Tensor], seq_len: int | None, pad_id: int = 0, ig
     """
     if pad_to_multiple < 1:
         raise ConfigError(f"pack: pad_to_multiple must be >= 1, got {pad_to_multiple}")
+    device = torch.as_tensor(sequences[0]).device if len(sequences) else torch.device("cpu")
     seqs = [_as_tokens(s, k) for k, s in enumerate(sequences)]
-    device = seqs[0].device if seqs else torch.device("cpu")
-    lengths = [int(s.numel()) for s in seqs]
+    lengths = [len(s) for s in seqs]
     padded = _padded_lengths(lengths, sequence_multiple, padded_lengths)
+    row = _pack_arrays(seqs, lengths, padded, _row_length(lengths, padded, seq_len, pad_to_multiple), pad_id,
+                       ignore_index)
+    return {k: torch.from_numpy(v).to(device) for k, v in row.items()}
+
+
+def _row_length(lengths: list[int], padded: list[int], seq_len: int | None, pad_to_multiple: int) -> int:
+    """The row's length: ``seq_len`` (checked to hold the padded sequences), else their total rounded up."""
     total = sum(padded)
     if seq_len is None:
-        length = -(-total // pad_to_multiple) * pad_to_multiple
-    else:
-        if seq_len < 0 or seq_len % pad_to_multiple:
-            raise ConfigError(f"pack: seq_len={seq_len} must be >= 0 and a multiple of "
-                              f"pad_to_multiple={pad_to_multiple}")
-        if total > seq_len:
-            extra = f" ({sum(lengths)} before padding each to its padded length)" if total != sum(lengths) else ""
-            raise OversizeSampleError(f"pack: {len(seqs)} sequences hold {total} tokens{extra}, more than "
-                                      f"seq_len={seq_len}; pack fewer sequences or raise seq_len")
-        length = seq_len
-    pad = length - total
+        return -(-total // pad_to_multiple) * pad_to_multiple
+    if seq_len < 0 or seq_len % pad_to_multiple:
+        raise ConfigError(f"pack: seq_len={seq_len} must be >= 0 and a multiple of pad_to_multiple={pad_to_multiple}")
+    if total > seq_len:
+        extra = f" ({sum(lengths)} before padding each to its padded length)" if total != sum(lengths) else ""
+        raise OversizeSampleError(f"pack: {len(lengths)} sequences hold {total} tokens{extra}, more than "
+                                  f"seq_len={seq_len}; pack fewer sequences or raise seq_len")
+    return seq_len
+
+
+def _pack_arrays(seqs: list[np.ndarray], lengths: list[int], padded: list[int], length: int, pad_id: int,
+                 ignore_index: int) -> dict[str, np.ndarray]:
+    """:func:`pack`'s row as numpy arrays (``length`` >= the padded total): a few whole-row numpy
+    operations, whatever the number of sequences (torch's per-call cost, tens of microseconds on a
+    small CPU, made a row of sequences cost milliseconds)."""
+    pad = length - sum(padded)
     real, spans = lengths + ([0] if pad else []), padded + ([pad] if pad else [])
-
-    def cumulative(values: list[int]) -> torch.Tensor:
-        cu = torch.zeros(len(values) + 1, dtype=torch.int32, device=device)
-        cu[1:] = torch.cumsum(torch.tensor(values, dtype=torch.int64, device=device), 0)
-        return cu
-
-    cu_seqlens, cu_padded = cumulative(real), cumulative(spans)
+    cu_seqlens = np.zeros(len(real) + 1, np.int32)
+    cu_padded = np.zeros(len(spans) + 1, np.int32)
+    np.cumsum(real, out=cu_seqlens[1:])
+    np.cumsum(spans, out=cu_padded[1:])
     # the row as pieces: each sequence's real tokens, then its padding (views of one padding block)
-    fill = torch.full((max(p - n for p, n in zip(spans, real)) if spans else 0,), pad_id, dtype=torch.int64,
-                      device=device)
+    fill = np.full(max((p - n for p, n in zip(spans, real)), default=0), pad_id, np.int64)
     pieces, piece_ids, piece_lens = [], [], []
     for k, (n, p) in enumerate(zip(real, spans)):
         if n:
@@ -108,24 +118,17 @@ def pack(sequences: list[torch.Tensor], seq_len: int | None, pad_id: int = 0, ig
             pieces.append(fill[:p - n])
             piece_ids.append(-1)
             piece_lens.append(p - n)
-    ids = torch.cat(pieces) if pieces else fill[:0].clone()
-    segment_ids = torch.repeat_interleave(torch.tensor(piece_ids, dtype=torch.int64, device=device),
-                                          torch.tensor(piece_lens, dtype=torch.int64, device=device),
-                                          output_size=length)
-    starts = torch.repeat_interleave(cu_padded[:-1].to(torch.int64),
-                                     torch.tensor(spans, dtype=torch.int64, device=device), output_size=length)
-    position_ids = torch.arange(length, device=device) - starts
-
+    ids = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+    segment_ids = np.repeat(np.asarray(piece_ids, np.int64), piece_lens)
+    position_ids = np.arange(length, dtype=np.int64) - np.repeat(cu_padded[:-1].astype(np.int64), spans)
     # A label is valid when the next token exists, is in the same sequence, and is real.
-    loss_mask = torch.zeros(length, dtype=torch.bool, device=device)
-    loss_mask[:-1] = (segment_ids[:-1] == segment_ids[1:]) & (segment_ids[:-1] >= 0)
-    labels = torch.full((length,), ignore_index, dtype=torch.int64, device=device)
-    labels[:-1] = torch.where(loss_mask[:-1], ids[1:], labels[:-1])
-    return {
-        "input_ids": ids, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
-        "segment_ids": segment_ids, "cu_seqlens": cu_seqlens, "cu_seqlens_padded": cu_padded,
-        "max_seqlen": torch.tensor(max(lengths, default=0), dtype=torch.int32, device=device),
-    }
+    loss_mask = np.zeros(length, bool)
+    np.logical_and(segment_ids[:-1] == segment_ids[1:], segment_ids[:-1] >= 0, out=loss_mask[:-1])
+    labels = np.full(length, ignore_index, np.int64)
+    np.copyto(labels[:-1], ids[1:], where=loss_mask[:-1])
+    return {"input_ids": ids, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
+            "segment_ids": segment_ids, "cu_seqlens": cu_seqlens, "cu_seqlens_padded": cu_padded,
+            "max_seqlen": np.array(max(lengths, default=0), np.int32)}
 
 
 def unpack(packed: dict[str, torch.Tensor]) -> list[torch.Tensor]:
