@@ -347,10 +347,12 @@ def test_karmarkar_karp_list_and_numpy_merges_agree(n, k, seed, cap):
 @settings(max_examples=40, deadline=None)
 @given(k=st.integers(1, 8), per_bin=st.integers(1, 80), seed=st.integers(0, 2**16),
        kind=st.sampled_from(["pareto", "uniform", "bimodal"]))
-def test_karmarkar_karp_spread_is_at_most_the_largest_item_from_singletons_or_rows(k, per_bin, seed, kind):
-    """Largest differencing never widens a merged partition's spread beyond its parts', so the bins
-    differ by at most the largest cost, whether KK starts from singletons or (many items per bin,
-    above ``ROWS_ABOVE``) from rows of k; both starts are checked on every case."""
+def test_karmarkar_karp_spread_is_at_most_the_largest_item_from_every_start(k, per_bin, seed, kind):
+    """Largest differencing never widens a merged partition's spread beyond its parts', and LPT onto
+    its loads keeps the spread under the largest cost, so the bins differ by at most the largest
+    cost whether KK starts from singletons, differences only the largest items (above
+    ``ROWS_ABOVE`` items per bin) and places the rest by LPT, or (under a count cap) starts from
+    rows of k; every start is checked on every case."""
     import torchdata_overlord.plane.balancing.karmarkar_karp as kk
     from torchdata_overlord.plane.balancing.problem import BinProblem
 
@@ -358,17 +360,16 @@ def test_karmarkar_karp_spread_is_at_most_the_largest_item_from_singletons_or_ro
     n = k * per_bin - int(rng.integers(0, k))
     costs = {"pareto": rng.pareto(1.1, n), "uniform": rng.random(n),
              "bimodal": np.where(rng.random(n) < 0.1, 100.0, 1.0) * rng.random(n)}[kind]
-    problem = BinProblem(costs, np.ones(n, np.int64), k)
     saved = kk.ROWS_ABOVE
     try:
-        for rows_above in (10**9, 0):                  # singletons, then rows of k
+        for rows_above, count_cap in ((10**9, None), (0, None), (1, None), (10**9, -(-n // k))):
             kk.ROWS_ABOVE = rows_above
-            got = kk.karmarkar_karp(problem)
+            got = kk.karmarkar_karp(BinProblem(costs, np.ones(n, np.int64), k, count_cap=count_cap))
             counts = np.bincount(got.bins, minlength=k)
             assert got.n_bins == k and counts.sum() == n
             load = np.bincount(got.bins, weights=costs, minlength=k)
-            assert load.max() - load.min() <= costs.max() * (1 + 1e-9) + 1e-12, rows_above
-            if rows_above == 0:                        # rows: one item per bin per row
+            assert load.max() - load.min() <= costs.max() * (1 + 1e-9) + 1e-12, (rows_above, count_cap)
+            if count_cap is not None:                  # rows: one item per bin per row
                 assert counts.max() - counts.min() <= 1
     finally:
         kk.ROWS_ABOVE = saved
