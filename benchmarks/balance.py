@@ -11,6 +11,13 @@ Three synthetic workloads, metadata only (``SimulatedLoaders`` buffers, refilled
   patches at native resolution (up to ~44k patches a sample), captions around 30 tokens.
 * ``long``: heavy-tailed long-context text, the library's ``"long"`` distribution (Pareto 1.1 from
   1k to 128k tokens): the longest 1% of documents hold ~70% of the sum of squared lengths.
+* ``pytext``: real text plus a Pareto tail. The documents are the modules of this interpreter's
+  standard library (``sysconfig``'s stdlib folder, ``*.py`` outside test folders and
+  site-packages, ~730 files, ~12 MB on 3.11), tokenized by a sentencepiece BPE model (vocab 8k)
+  trained at run time on their lines (no network, nothing downloaded; the lengths are cached in
+  the temp folder by Python and sentencepiece version). A sample is a module drawn at random
+  (median ~1.9k tokens, up to ~160k), or with probability ``PYTEXT_TAIL`` (2%) a Pareto 1.1 length
+  from 8k to 128k tokens: real short/medium text with a synthetic long-document tail.
 
 For the two VLM workloads a sample's backbone sequence is its image placeholders (one per patch,
 as the Data Constructor builds it) followed by its caption, so ``tokens = text + patches``.
@@ -116,6 +123,48 @@ def coyo_captions(rng, n):
     return text, per[:, None]
 
 
+PYTEXT_TAIL = 0.02           # share of pytext samples drawn from the Pareto tail
+
+
+@lru_cache(maxsize=1)
+def stdlib_lengths() -> np.ndarray:
+    """Token counts of the standard library's modules under a sentencepiece BPE model trained on them."""
+    import io
+    import sysconfig
+    import tempfile
+
+    import sentencepiece as spm
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idle_test"}
+    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    cache = Path(tempfile.gettempdir()) / (f"overlord_pytext_{sys.version_info[0]}{sys.version_info[1]}_"
+                                           f"{spm.__version__}_{len(files)}.npy")
+    if cache.exists():
+        return np.load(cache)
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
+    lines = [line for t in texts[::7] for line in t.splitlines() if line.strip()][:200_000]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=8000,
+                                   model_type="bpe", character_coverage=1.0, hard_vocab_limit=False, num_threads=1,
+                                   minloglevel=2, input_sentence_size=200_000, shuffle_input_sentence=False)
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    lengths = np.array([max(len(x), 1) for x in sp.encode(texts)], np.int64)
+    tmp = cache.with_suffix(f".{os.getpid()}.npy")
+    np.save(tmp, lengths)
+    os.replace(tmp, cache)
+    return lengths
+
+
+def pytext(rng, n):
+    """A real module's token count, or (``PYTEXT_TAIL`` of samples) a Pareto 1.1 length from 8k to 128k."""
+    real = stdlib_lengths()
+    text = np.clip(real[rng.integers(0, len(real), n)], 16, 131072)
+    tail = rng.random(n) < PYTEXT_TAIL
+    text[tail] = np.clip(8192 * (rng.pareto(1.1, int(tail.sum())) + 1), 8192, 131072).astype(np.int64)
+    return text, None
+
+
 @dataclass(frozen=True)
 class Source:
     """A deterministic synthetic source (sample i's sizes depend on (seed, name, i) only), reporting
@@ -180,6 +229,9 @@ WORKLOADS = {
                            "NaViT-like: 1-3 native-resolution images (14 px patches, skewed counts) + ~30-token captions"),
     "long": Workload("long", Source("long", DISTRIBUTIONS["long"]), False, LONG_CP,
                      "heavy-tailed long-context documents (Pareto 1.1, 1k..128k tokens)"),
+    "pytext": Workload("pytext", Source("pytext", pytext), False, LONG_CP,
+                       "real text: stdlib modules tokenized by a run-time sentencepiece BPE, + 2% Pareto 1.1 tail "
+                       "(8k..128k tokens)"),
 }
 
 
@@ -511,6 +563,19 @@ def summarise(rows: list[dict], measured: list[dict]) -> dict:
                        "mean_lockstep_over_bound": float(np.mean([r["strategies"][lab]["lockstep_over_bound"]
                                                                   for r in mine]))}
         out["by_workload"][w] = by
+    # Karmarkar-Karp against greedy on the same batches: lockstep/bound ratio per (workload, DP, ctx, kind)
+    pairs = []
+    for r in rows:
+        for lab, s in r["strategies"].items():
+            if s["method"] == "karmarkar_karp" and f"{s['kind']}-greedy" in r["strategies"]:
+                g = r["strategies"][f"{s['kind']}-greedy"]
+                pairs.append({"workload": r["workload"], "dp": r["dp"], "ctx": r["ctx"], "kind": s["kind"],
+                              "kk_lockstep_over_bound": s["lockstep_over_bound"],
+                              "greedy_lockstep_over_bound": g["lockstep_over_bound"],
+                              "kk_over_greedy": s["lockstep_over_bound"] / g["lockstep_over_bound"],
+                              "kk_max_over_mean": s["max_over_mean"], "greedy_max_over_mean": g["max_over_mean"]})
+    worst = max(pairs, key=lambda q: q["kk_over_greedy"]) if pairs else None
+    out["kk_vs_greedy"] = {"pairs": pairs, "worst": worst}
     for m in measured:
         b = max((k for k in m["strategies"] if k != "vanilla"), key=lambda k: m["strategies"][k]["speedup"])
         out["measured"][m["workload"]] = {"best": b, "speedup": m["strategies"][b]["speedup"],
@@ -524,7 +589,7 @@ def plot(path: Path, snapshots: dict, rows: list[dict], measured: list[dict], dp
     import matplotlib.pyplot as plt
     import matplotlib.ticker  # noqa: F401  (matplotlib.ticker.NullFormatter below)
 
-    fig, axes = plt.subplots(2, 2, figsize=(14, 8.5))
+    fig, axes = plt.subplots(2, 3, figsize=(20, 8.5))
     for ax, (name, snap) in zip(axes.flat, snapshots.items()):
         after = snap["after"]
         x, top = None, 0.0
@@ -546,8 +611,10 @@ def plot(path: Path, snapshots: dict, rows: list[dict], measured: list[dict], dp
         if x is not None and len(x) <= 16:
             ax.set_xticks(x)
         ax.legend(fontsize=7, ncol=3, loc="upper center")
-    ax = axes.flat[3]
-    colors = {"captions": "#2ca02c", "image_text": "#9467bd", "long": "#ff7f0e"}
+    for ax in axes.flat[len(snapshots):-1]:
+        ax.axis("off")
+    ax = axes.flat[-1]
+    colors = {"captions": "#2ca02c", "image_text": "#9467bd", "long": "#ff7f0e", "pytext": "#8c564b"}
     for dp, style in zip(dp_curves, ("o-", "s--", "^:")):
         for w in WORKLOADS:
             mine = sorted((r for r in rows if r["workload"] == w and r["dp"] == dp), key=lambda r: r["ctx"])
@@ -640,6 +707,15 @@ def main(argv=None) -> int:
                            for c, v in summary["by_context"].items()))
     for w, by in summary["by_workload"].items():
         print(f"  {w}: " + "  ".join(f"{lab} {v['mean_sim_speedup']:.2f}x" for lab, v in by.items()))
+    worst = summary["kk_vs_greedy"]["worst"]
+    if worst:
+        print(f"karmarkar_karp vs greedy, lockstep/bound: worst {worst['kk_over_greedy']:.4f}x greedy's "
+              f"({worst['workload']} {worst['kind']} dp {worst['dp']} ctx {worst['ctx'] // 1024}k: "
+              f"{worst['kk_lockstep_over_bound']:.3f} vs {worst['greedy_lockstep_over_bound']:.3f})")
+        for q in summary["kk_vs_greedy"]["pairs"]:
+            if q["kind"] == "cp" and q["dp"] == 64:
+                print(f"  {q['workload']} cp dp 64 ctx {q['ctx'] // 1024}k: kk {q['kk_lockstep_over_bound']:.3f} "
+                      f"greedy {q['greedy_lockstep_over_bound']:.3f} ({q['kk_over_greedy']:.4f}x)")
 
     plot_path = args.out.with_suffix(".png")
     args.out.parent.mkdir(parents=True, exist_ok=True)

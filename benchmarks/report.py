@@ -197,10 +197,13 @@ def fault_recovery_table(data: dict) -> list[str]:
 def balance_table(data: dict) -> list[str]:
     m, sm = data["machine"], data["summary"]
     lines = [f"**Balance** (`python benchmarks/balance.py`, {data['date']}, {m['cores']} cores): coyo-like captions "
-             f"with images, image-text with skewed patch counts and heavy-tailed long context (on dp x cp=4), DP 8, "
+             f"with images, image-text with skewed patch counts, heavy-tailed long context and real text (stdlib "
+             f"modules tokenized by a run-time sentencepiece BPE, plus a 2% Pareto tail; both on dp x cp=4), DP 8, "
              f"64, 512, contexts 4k-32k, 8 microbatches; simulated step time with the attention-FLOPs model (32 "
              f"backbone layers plus the encoder), and a measured step on the CPU (SDPA blocks, sizes scaled down, "
-             f"8 ranks, 8k). Plot: `benchmarks/results/balance.png`.", "",
+             f"8 ranks, 8k). Lockstep / bound: over `plan.stats['lower_bound']`, the larger of max(largest item, "
+             f"total / buckets) and the rows that items too large to share a bin force "
+             f"(`plane/balancing/bound.py`). Plot: `benchmarks/results/balance.png`.", "",
              "| workload | strategy | mean simulated speedup | best | per-rank max/mean | lockstep / bound |",
              "|---|---|---:|---:|---:|---:|"]
     for wl, by in sm["by_workload"].items():
@@ -208,6 +211,12 @@ def balance_table(data: dict) -> list[str]:
             lines.append(f"| {wl} | {strat} | {r['mean_sim_speedup']:.2f}x | {r['max_sim_speedup']:.2f}x | "
                          f"{r['mean_max_over_mean']:.2f} | {r['mean_lockstep_over_bound']:.2f} |")
     ctx = sm["by_context"]
+    worst = (sm.get("kk_vs_greedy") or {}).get("worst")
+    if worst:
+        lines += ["", f"- karmarkar_karp against greedy on the same batches, lockstep / bound: at worst "
+                      f"{worst['kk_over_greedy']:.3f}x greedy's ({worst['workload']}, {worst['kind']}, DP {worst['dp']}, "
+                      f"{worst['ctx'] // 1024}k: {worst['kk_lockstep_over_bound']:.3f} vs "
+                      f"{worst['greedy_lockstep_over_bound']:.3f})."]
     lines += ["", "- best strategy's mean simulated speedup over vanilla by context length: " + ", ".join(
         f"{int(k) // 1024}k {v['mean_best_sim_speedup']:.2f}x" for k, v in ctx.items()) + "."]
     meas = data.get("measured", {}).get("rows", [])

@@ -347,10 +347,12 @@ def test_karmarkar_karp_list_and_numpy_merges_agree(n, k, seed, cap):
 @settings(max_examples=40, deadline=None)
 @given(k=st.integers(1, 8), per_bin=st.integers(1, 80), seed=st.integers(0, 2**16),
        kind=st.sampled_from(["pareto", "uniform", "bimodal"]))
-def test_karmarkar_karp_spread_is_at_most_the_largest_item_from_singletons_or_rows(k, per_bin, seed, kind):
-    """Largest differencing never widens a merged partition's spread beyond its parts', so the bins
-    differ by at most the largest cost, whether KK starts from singletons or (many items per bin,
-    above ``ROWS_ABOVE``) from rows of k; both starts are checked on every case."""
+def test_karmarkar_karp_spread_is_at_most_the_largest_item_from_every_start(k, per_bin, seed, kind):
+    """Largest differencing never widens a merged partition's spread beyond its parts', and LPT onto
+    its loads keeps the spread under the largest cost, so the bins differ by at most the largest
+    cost whether KK starts from singletons, differences only the largest items (above
+    ``ROWS_ABOVE`` items per bin) and places the rest by LPT, or (under a count cap) starts from
+    rows of k; every start is checked on every case."""
     import torchdata_overlord.plane.balancing.karmarkar_karp as kk
     from torchdata_overlord.plane.balancing.problem import BinProblem
 
@@ -358,17 +360,117 @@ def test_karmarkar_karp_spread_is_at_most_the_largest_item_from_singletons_or_ro
     n = k * per_bin - int(rng.integers(0, k))
     costs = {"pareto": rng.pareto(1.1, n), "uniform": rng.random(n),
              "bimodal": np.where(rng.random(n) < 0.1, 100.0, 1.0) * rng.random(n)}[kind]
-    problem = BinProblem(costs, np.ones(n, np.int64), k)
     saved = kk.ROWS_ABOVE
     try:
-        for rows_above in (10**9, 0):                  # singletons, then rows of k
+        for rows_above, count_cap in ((10**9, None), (0, None), (1, None), (10**9, -(-n // k))):
             kk.ROWS_ABOVE = rows_above
-            got = kk.karmarkar_karp(problem)
+            got = kk.karmarkar_karp(BinProblem(costs, np.ones(n, np.int64), k, count_cap=count_cap))
             counts = np.bincount(got.bins, minlength=k)
             assert got.n_bins == k and counts.sum() == n
             load = np.bincount(got.bins, weights=costs, minlength=k)
-            assert load.max() - load.min() <= costs.max() * (1 + 1e-9) + 1e-12, rows_above
-            if rows_above == 0:                        # rows: one item per bin per row
+            assert load.max() - load.min() <= costs.max() * (1 + 1e-9) + 1e-12, (rows_above, count_cap)
+            if count_cap is not None:                  # rows: one item per bin per row
                 assert counts.max() - counts.min() <= 1
     finally:
         kk.ROWS_ABOVE = saved
+
+
+# -- the lockstep lower bound --------------------------------------------------------------------
+def _lockstep_of(costs, tokens, bins, n_buckets, cap):
+    """Lockstep cost of bins numbered ``mb * n_buckets + bucket``; checks the token cap on the way."""
+    n_rows = -(-(int(bins.max()) + 1) // n_buckets) if len(bins) else 1
+    loads = np.bincount(bins, weights=costs, minlength=n_rows * n_buckets).reshape(n_rows, n_buckets)
+    if cap is not None:
+        assert np.bincount(bins, weights=tokens, minlength=n_rows * n_buckets).max() <= cap
+    return lockstep(loads)
+
+
+@st.composite
+def bound_case(draw):
+    n = draw(st.integers(1, 60))
+    B = draw(st.integers(1, 6))
+    M = draw(st.integers(1, 4))
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    tokens = tokens_of(draw(st.sampled_from(KINDS)), n, seed)
+    tokens = np.maximum(tokens, 1)
+    cap = draw(st.one_of(st.none(), st.integers(int(tokens.max()), 3 * int(tokens.max()))))
+    cost = draw(st.sampled_from(["tokens", "flops", "random"]))
+    costs = {"tokens": tokens.astype(np.float64), "flops": flops(tokens),
+             "random": rng.pareto(1.2, n) * 100 + rng.random(n)}[cost]
+    return costs, tokens, B, M, cap, rng
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=bound_case())
+def test_lockstep_lower_bound_holds_for_balancers_and_random_assignments(case):
+    """The bound never exceeds the lockstep cost of what the balancers produce or of random assignments
+    that respect the cap, and is never below the old max(largest item, total / buckets)."""
+    from torchdata_overlord.plane.balancing.bound import lockstep_lower_bound, simple_bound
+    from torchdata_overlord.plane.balancing.problem import run_balancer
+
+    costs, tokens, B, M, cap, rng = case
+    bound = lockstep_lower_bound(costs, B, tokens, cap)
+    assert bound >= simple_bound(costs, B) == max(costs.max(), costs.sum() / B)
+    tol = 1e-9 * max(costs.sum(), 1.0)
+    for method in ("greedy", "karmarkar_karp"):
+        res = run_balancer(method, BinProblem(costs, tokens, B * M, cap=cap, grow=B))
+        assert bound <= _lockstep_of(costs, tokens, res.bins, B, cap) + tol, method
+        pl = place(costs, tokens, n_buckets=B, microbatches=M, method=method, cap=cap, level="both")
+        assert bound <= _lockstep_of(costs[pl.item], tokens[pl.item], pl.mb * B + pl.bucket, B, cap) + tol, method
+    for _ in range(5):        # random assignments: each item into a random bin it fits, else a new row
+        bins = np.empty(len(costs), np.int64)
+        used = np.zeros(B * M * (len(costs) + 1), np.int64)
+        for i in rng.permutation(len(costs)):
+            b = int(rng.integers(0, B * M))
+            while cap is not None and used[b] + tokens[i] > cap:
+                b += B
+            bins[i] = b
+            used[b] += tokens[i]
+        assert bound <= _lockstep_of(costs, tokens, bins, B, cap) + tol
+
+
+def test_lockstep_lower_bound_sees_items_that_cannot_share_a_bin():
+    """Nine items of 60 tokens under a cap of 100 fit one to a bin: with 4 buckets they need three rows,
+    whose maxima are at least the 1st, 5th and 9th costliest; the old bound saw only the total."""
+    from torchdata_overlord.plane.balancing.bound import lockstep_lower_bound, simple_bound
+
+    costs = np.arange(9, 0, -1, dtype=np.float64)
+    tokens = np.full(9, 60)
+    assert simple_bound(costs, 4) == pytest.approx(45 / 4)
+    assert lockstep_lower_bound(costs, 4, tokens, 100) == pytest.approx(9 + 5 + 1)
+    assert lockstep_lower_bound(costs, 4, tokens, None) == pytest.approx(45 / 4)
+    plan = graph(ol.ClientPlaceTree(dp=4), {"a": tokens}).distribute("DP").cost(ol.token_count).balance(
+        "greedy", microbatches=3, max_tokens=100).plan()
+    s = plan.stats
+    assert s["lower_bound_simple"] == pytest.approx(60 * 9 / 4)
+    assert s["lower_bound"] == pytest.approx(180) == s["lockstep_cost"]      # 3 rows of 60: reached
+    assert s["lockstep_over_bound"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="n_buckets"):
+        lockstep_lower_bound(costs, 0, tokens, 100)
+    with pytest.raises(ValueError, match="token counts"):
+        lockstep_lower_bound(costs, 4, tokens[:3], 100)
+    with pytest.raises(ValueError, match="cap"):
+        lockstep_lower_bound(costs, 4, tokens, 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 300), B=st.integers(1, 16), M=st.integers(1, 4), seed=st.integers(0, 2**16),
+       spans=st.booleans())
+def test_karmarkar_karp_never_scores_worse_than_greedy(n, B, M, seed, spans):
+    """KK keeps LPT's answer when it scores better by the problem's own score (here the lockstep sum of
+    pooled bins, with initial loads as spanning sequences leave them)."""
+    import torchdata_overlord.plane.balancing.karmarkar_karp as kk
+    from torchdata_overlord.plane.balancing.layout import _row_max_sum
+
+    rng = np.random.default_rng(seed)
+    costs = (rng.pareto(1.1, n) + 1) ** 2
+    loads = rng.pareto(1.1, B * M) * costs.mean() if spans else None
+    p = BinProblem(costs, np.ones(n, np.int64), B * M, loads=loads, score=_row_max_sum(B))
+    saved = kk.SINGLETON_LIMIT
+    try:
+        for limit in (saved, 16):                     # every item from singletons, then only the largest
+            kk.SINGLETON_LIMIT = limit
+            assert p.judge(kk.karmarkar_karp(p)) <= p.judge(problem_mod.get_balancer("greedy")(p))
+    finally:
+        kk.SINGLETON_LIMIT = saved

@@ -14,11 +14,16 @@ def test_balance_quick_writes_figures_that_hold(tmp_path):
 
     # the workloads have the shapes the issue asks for
     w = data["workloads"]
-    assert set(w) == {"captions", "image_text", "long"}
+    assert set(w) == {"captions", "image_text", "long", "pytext"}
     caps = w["captions"]["shape"]
     assert 0.975 <= caps["text_le_64"] <= 0.99 and 0.07 <= caps["text_top_1_62pct_share"] <= 0.12
     assert w["image_text"]["shape"]["patches_max"] > 10 * w["image_text"]["shape"]["patches_median"]
     assert w["long"]["shape"]["top_1pct_share_of_sum_sq"] > 0.5
+    # real text (stdlib modules, run-time sentencepiece) with a Pareto tail: a few long documents dominate
+    assert 500 <= w["pytext"]["shape"]["median_tokens"] <= 8000 and w["pytext"]["shape"]["max_tokens"] > 65536
+    assert w["pytext"]["shape"]["top_1pct_share_of_sum_sq"] > 0.3
+    # Karmarkar-Karp is compared with greedy on every configuration
+    assert data["summary"]["kk_vs_greedy"]["pairs"]
 
     # every (workload, DP, context) of the quick grid ran, with every strategy
     cfg = data["config"]

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import ConfigError
+from .balancing.bound import lockstep_lower_bound
 from .place_tree import ClientPlaceTree
 from .records import Records, SampleKey
 
@@ -149,12 +150,16 @@ class Plan:
         sequence padded to a multiple of 2*cp where the row is split over CP ranks; a CP shard as placed."""
         e = self.entries
         flat = e["mb"] * len(self.buckets) + e["bucket"]
+        return np.bincount(flat, weights=self.entry_tokens(), minlength=self.n_microbatches * len(self.buckets)).reshape(
+            self.n_microbatches, len(self.buckets)).astype(np.int64)
+
+    def entry_tokens(self) -> np.ndarray:
+        """Tokens each entry takes in its bin, as ``bin_tokens`` counts them."""
+        e = self.entries
         cp = row_cp(self.mesh, self.axis)
         mult = 2 * cp if cp > 1 else 1
         # a sequence spanning k CP ranks gives each a zig-zag shard of 2 chunks of ceil(n / 2k) tokens
-        per_rank = np.where(e["nshards"] > 1, 2 * -(-e["tokens"] // (2 * e["nshards"])), -(-e["tokens"] // mult) * mult)
-        return np.bincount(flat, weights=per_rank, minlength=self.n_microbatches * len(self.buckets)).reshape(
-            self.n_microbatches, len(self.buckets)).astype(np.int64)
+        return np.where(e["nshards"] > 1, 2 * -(-e["tokens"] // (2 * e["nshards"])), -(-e["tokens"] // mult) * mult)
 
     def render(self, fmt: str = "text", max_buckets: int = 8) -> str:
         """A readable drawing of this step: sources -> buckets -> microbatches -> clients (text or DOT)."""
@@ -167,8 +172,10 @@ class Plan:
                 f"microbatches={self.n_microbatches}, max/mean={s.get('max_over_mean', float('nan')):.3f})")
 
 
-def compute_stats(plan: Plan, requested_microbatches: int, oversize: dict, mix: dict | None) -> dict:
-    """Balance figures for one plan: per-rank cost spread, lockstep step cost and its lower bound."""
+def compute_stats(plan: Plan, requested_microbatches: int, oversize: dict, mix: dict | None,
+                  max_tokens: int | None = None) -> dict:
+    """Balance figures for one plan: per-rank cost spread, lockstep step cost and its lower bound
+    (``balancing.bound.lockstep_lower_bound``, which uses the bins' token cap ``max_tokens``)."""
     bins = plan.bin_costs()
     per_bucket = bins.sum(0)
     B = len(plan.buckets)
@@ -176,7 +183,8 @@ def compute_stats(plan: Plan, requested_microbatches: int, oversize: dict, mix: 
     mean = total / B if B else 0.0
     largest = float(plan.entries["cost"].max()) if len(plan.entries["cost"]) else 0.0
     lockstep = float(bins.max(1).sum()) if bins.size else 0.0
-    bound = max(largest, mean)
+    simple = max(largest, mean)
+    bound = max(simple, lockstep_lower_bound(plan.entries["cost"], B, plan.entry_tokens(), max_tokens)) if B else simple
     stats = {
         "samples": len(plan.records),
         "entries": len(plan.entries["row"]),
@@ -188,6 +196,7 @@ def compute_stats(plan: Plan, requested_microbatches: int, oversize: dict, mix: 
         "max_over_mean": float(per_bucket.max() / mean) if mean > 0 else 1.0,
         "lockstep_cost": lockstep,
         "lower_bound": bound,
+        "lower_bound_simple": simple,
         "lockstep_over_bound": lockstep / bound if bound > 0 else 1.0,
         "largest_over_fair_share": largest / mean if mean > 0 else 0.0,
         "max_bin_tokens": int(plan.bin_tokens().max()) if bins.size else 0,

@@ -192,8 +192,10 @@ def place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatches
             m = loads.shape[0]
             loads, tl = loads.ravel(), tl.ravel()
         short = np.flatnonzero(~spanned)
+        # the lockstep cost these bins will give: rows fixed by the spans, else cut by _interleave
+        score = _row_max_sum(n_buckets) if spanned.any() else _sorted_row_max_sum(n_buckets)
         res = run_balancer(method, BinProblem(costs[short], tokens[short], n_buckets * m, cap=cap,
-                                              loads=loads, token_loads=tl, grow=n_buckets))
+                                              loads=loads, token_loads=tl, grow=n_buckets, score=score))
         bins = res.bins if spanned.any() else _interleave(costs[short], res.bins, n_buckets, res.n_bins)
         bucket = np.full(n, -1, np.int64)
         mb = np.full(n, -1, np.int64)
@@ -209,6 +211,16 @@ def place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatches
     if method != ARRIVAL and not entries:
         mb_all = _align_microbatches(costs[item], bucket_all, mb_all, n_buckets, n_mb)
     return Placement(item, bucket_all, mb_all, shard, nshards, n_mb)
+
+
+def _row_max_sum(n_buckets: int):
+    """Lockstep cost of pooled bins numbered ``mb * n_buckets + bucket``: sum over rows of the row max."""
+    return lambda loads: float(loads.reshape(-1, n_buckets).max(1).sum()) if len(loads) else 0.0
+
+
+def _sorted_row_max_sum(n_buckets: int):
+    """Lockstep cost of pooled bins once ``_interleave`` cuts them, sorted, into rows of ``n_buckets``."""
+    return lambda loads: float(np.sort(loads)[::-1][::n_buckets].sum())
 
 
 def _interleave(cost, bins, n_buckets: int, n_bins: int) -> np.ndarray:

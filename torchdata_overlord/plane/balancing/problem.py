@@ -28,11 +28,23 @@ class BinProblem:
     loads: np.ndarray | None = None         # (n_bins,) initial cost per bin
     token_loads: np.ndarray | None = None   # (n_bins,) initial tokens per bin
     grow: int = 0                           # bins to open at once when an item fits nowhere
+    # what the caller will judge the final per-bin cost loads by, lower is better (default: the
+    # largest load); a method that tries several answers keeps the one this scores lowest
+    score: Callable[[np.ndarray], float] | None = None
 
     def initial(self) -> tuple[np.ndarray, np.ndarray]:
         loads = np.zeros(self.n_bins) if self.loads is None else np.asarray(self.loads, np.float64)
         tl = np.zeros(self.n_bins, np.int64) if self.token_loads is None else np.asarray(self.token_loads, np.int64)
         return loads.copy(), tl.copy()
+
+    def judge(self, out: "BinAssignment") -> float:
+        """``score`` (default: the largest) of the per-bin cost loads that ``out`` leads to."""
+        loads, _ = self.initial()
+        loads = np.append(loads, np.zeros(out.n_bins - self.n_bins))
+        loads += np.bincount(out.bins, weights=self.costs, minlength=out.n_bins)
+        if self.score is not None:
+            return float(self.score(loads))
+        return float(loads.max()) if len(loads) else 0.0
 
 
 @dataclass

@@ -26,6 +26,7 @@ class Assignment:
     oversize: dict
     method: str
     level: str = "both"
+    max_tokens: int | None = None     # the per-bin token cap the entries were placed under
 
 
 class Balance:
@@ -144,7 +145,7 @@ class Balance:
         entries = {"row": row[it], "bucket": pl.bucket, "mb": pl.mb, "tokens": tok[it],
                    "cost": item_cost[it] / pl.nshards, "piece": piece[it], "npieces": npieces[it],
                    "shard": pl.shard, "nshards": pl.nshards, "order": order}
-        asg = Assignment(entries, pl.n_microbatches, self.microbatches, ostats, self.method, level)
+        asg = Assignment(entries, pl.n_microbatches, self.microbatches, ostats, self.method, level, self.max_tokens)
         bins = np.bincount(pl.mb * len(lay.buckets) + pl.bucket, weights=entries["cost"],
                            minlength=pl.n_microbatches * len(lay.buckets))
         note = (f"balance({self.method!r}, microbatches={self.microbatches}"

@@ -17,7 +17,7 @@ def _plan_from(g, asg: Assignment) -> Plan:
     lay = g.layout
     plan = Plan(step=g.step, mesh=lay.tree, axis=lay.axis, buckets=lay.buckets, n_microbatches=asg.n_microbatches,
                 records=g.records, entries=asg.entries, broadcast=g.broadcast, history=list(g.history))
-    plan.stats = compute_stats(plan, asg.requested_microbatches, asg.oversize, g.mix_info)
+    plan.stats = compute_stats(plan, asg.requested_microbatches, asg.oversize, g.mix_info, asg.max_tokens)
     plan.stats["method"] = asg.method
     plan.stats["level"] = asg.level
     return plan
