@@ -133,6 +133,7 @@ class OverlordLoader:
     """
 
     K_STEP, K_JOB = loader_state.STEP, loader_state.JOB
+    IDLE_WAKE = 2.0        # seconds between the idle prefetch thread's checks of its stop flag (close() wakes it at once)
 
     def __init__(self, sources: Iterable, strategy: Callable, mesh: ClientPlaceTree, rank: int | None,
                  global_batch: int, seq_len: int | None, runtime: str = "local", seed: int = 0, prefetch: int = 2,
@@ -239,9 +240,11 @@ class OverlordLoader:
         try:
             while not stop.is_set():
                 try:
-                    slots.get(timeout=0.1)              # at most `prefetch` steps built and not yet consumed
+                    slots.get(timeout=self.IDLE_WAKE)   # at most `prefetch` steps built and not yet consumed
                 except queue.Empty:
                     continue
+                if stop.is_set():                       # woken by _stop_producer
+                    break
                 try:
                     with self._lock:
                         fut = self._job.submit(ranks, consumed=self._consumed[self.K_STEP])
@@ -423,6 +426,7 @@ class OverlordLoader:
         if thread is None:
             return
         self._stop.set()
+        self._slots.put(None)                  # wake the producer now (it waits for a slot)
         thread.join(timeout=self.timeout)
         if thread.is_alive():
             raise OverlordError(f"the prefetch thread did not stop within {self.timeout:.0f} s")
