@@ -131,15 +131,22 @@ def runtimes_table(data: dict) -> list[str]:
                       f"trainer waits on data in < {pct:.0f}% of steps. *Not ready* counts the waits > 1 ms where the "
                       f"step was not yet built when `next()` was called (a wait for data, not for the GIL).", "",
                   "| runtime | model step ms | wait p50 ms | wait p99 ms | wait max ms | steps > 1 ms | "
-                  "steps > 5% of model step | not ready, > 1 ms |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "steps > 5% of model step | not ready, > 1 ms | ready step p50 / p99 ms | floor p50 / p99 ms |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for k, l in lat:
             lines.append(f"| {k} | {l['model_step_isolated_ms']:.0f} | {l['wait_p50_ms']:.2f} | {l['wait_p99_ms']:.2f} | "
                          f"{l['wait_max_ms']:.1f} | {100 * l['waited_gt_1ms_fraction']:.1f}% | "
                          f"{100 * l['waited_gt_5pct_step_fraction']:.1f}% | "
-                         f"{100 * l.get('waited_gt_1ms_queue_empty_fraction', float('nan')):.1f}% |")
-        lines += ["", "A step that is ready still costs `next()` about a millisecond: the trainer thread takes the GIL back "
-                      "from the loader's background threads (local: the prefetch thread building later steps; rpc: "
-                      "the RPC threads unpickling replies), so 'steps > 1 ms' counts GIL hand-offs, not waits for data."]
+                         f"{100 * l.get('waited_gt_1ms_queue_empty_fraction', float('nan')):.1f}% | "
+                         f"{l.get('wait_p50_ms_when_ready', float('nan')):.3f} / "
+                         f"{l.get('wait_p99_ms_when_ready', float('nan')):.3f} | "
+                         f"{l.get('floor_p50_ms', float('nan')):.3f} / {l.get('floor_p99_ms', float('nan')):.3f} |")
+        lines += ["", "*Ready step*: `next()` when the step was built before the call (target p50 <= 0.1 ms). *Floor*: "
+                      "the same model step followed by Python of `next()`'s size that touches no loader: what the "
+                      "first bytecodes after a model step cost on this machine (cold caches), the part of a ready "
+                      "`next()` no loader can remove. A ready `next()` above the floor waited for the GIL held by the "
+                      "loader's background threads (local: the prefetch thread building later steps; rpc: the RPC "
+                      "threads unpickling replies)."]
     sweep = runs.get("local", {}).get("prefetch_sweep")
     if sweep:
         lines += ["", "Local runtime, `next()` wait by prefetch (the first model step size; per microbatch = per "
