@@ -93,9 +93,10 @@ class Plan:
         out = []
         for m in range(self.n_microbatches):
             lo, hi = self._starts[bucket * self.n_microbatches + m], self._starts[bucket * self.n_microbatches + m + 1]
-            out.append([PlanItem(recs.sources[recs.source_id[r]], int(recs.index[r]), int(t), int(p), int(np_), int(s), int(ns))
-                        for r, t, p, np_, s, ns in zip(e["row"][lo:hi], e["tokens"][lo:hi], e["piece"][lo:hi],
-                                                       e["npieces"][lo:hi], e["shard"][lo:hi], e["nshards"][lo:hi])])
+            rows, names = e["row"][lo:hi], recs.sources       # columns as Python ints in one go each
+            out.append([PlanItem(names[sid], *rest) for sid, *rest in
+                        zip(recs.source_id[rows].tolist(), recs.index[rows].tolist(),
+                            *(e[k][lo:hi].tolist() for k in ("tokens", "piece", "npieces", "shard", "nshards")))])
         return out
 
     def microbatches(self, rank: int) -> list[list[PlanItem]]:
