@@ -196,7 +196,6 @@ def stop_rpc(timeout: float) -> None:
     """Shut this process's agent down locally (no barrier), C++ warnings off meanwhile, at most
     ``timeout`` seconds; the other members carry on (or leave on their own)."""
     _SELF.clear()
-    shm.reset()
 
     def shut():
         try:
@@ -212,5 +211,6 @@ def stop_rpc(timeout: float) -> None:
     finally:
         if previous is not None:
             set_cpp_log_level(previous)
+    shm.reset()                          # this group's arena and peers (its calls are answered or failed)
     if t.is_alive():
         log.error("rpc.shutdown did not finish within %g s; RPC threads may still run", timeout)

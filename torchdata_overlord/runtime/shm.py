@@ -52,6 +52,7 @@ __all__ = ["enabled", "set_enabled", "reset", "alloc", "free", "receive", "peer_
 
 ENV, SIZE_ENV = "OVERLORD_RPC_SHM", "OVERLORD_RPC_SHM_MIB"
 _MAGIC = b"OVLDSHM1"
+_NAME = "memfd:overlord-wire"         # how /proc shows an arena's fd
 _HEAD = 64                      # the arena's header (magic, token) and each allocation's header
 _ALIGN = 64
 _LIVE, _FREE = 1, 0
@@ -92,7 +93,7 @@ class _Arena:
 
     def __init__(self, size: int):
         self.size = size
-        self.fd = os.memfd_create("overlord-wire", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(_NAME[len("memfd:"):], os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, size)
             self.mm = mmap.mmap(self.fd, size)
@@ -142,7 +143,10 @@ class _Attached:
     """A peer's arena mapped here."""
 
     def __init__(self, pid: int, fd: int, token: str):
-        f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        path = f"/proc/{pid}/fd/{fd}"
+        if not os.readlink(path).startswith(f"/{_NAME}"):     # never open another kind of file (a device)
+            raise OSError(f"process {pid}'s fd {fd} is not an arena")
+        f = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             size = os.fstat(f).st_size
             self.mm = mmap.mmap(f, size)
