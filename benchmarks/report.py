@@ -480,7 +480,11 @@ def transport_table(data: dict) -> list[str]:
         lines += ["", f"Target (issue 15): <= {v['target_us_per_sample_52kib']:g} us per sample at 52 KiB on one host: "
                       f"hand-off {v['shm_handoff_us_52kib']:.0f} us ({'meets' if v['handoff_meets_target'] else 'misses'}), "
                       f"stream {v['shm_stream_us_52kib']:.0f} us ({'meets' if v['stream_meets_target'] else 'misses'}); "
-                      f"every sample bit-identical: {v['all_identical']}."]
+                      f"every sample bit-identical: {v['all_identical']}."
+                  + (f" The floor under any carrier of the bytes: an empty call's round trip between the two processes, "
+                     f"{v['empty_call_rtt_us_per_put']:.0f} us per put of {c['samples']}, plus packing and unpacking, "
+                     f"{v['floor_us_per_sample_52kib']:.0f} us per sample in all." if "floor_us_per_sample_52kib" in v
+                     else "")]
     return lines
 
 

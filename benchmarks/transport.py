@@ -19,7 +19,10 @@ Figures, per sample (the step's wall time / samples in it, the median over steps
   ``runtimes.py`` measures inside a real job, there also waiting for the GIL the loader's refill holds);
 * ``stream_us``: the same puts kept ``window`` deep in flight, one sink (throughput: what a sample
   costs when the round-trip latency overlaps other work, as the refill overlaps it in a job);
-* ``cpu_us``: CPU time of the two worker processes per sample in the stream run (sender + receiver).
+* ``cpu_us``: CPU time of the two worker processes per sample in the stream run (sender + receiver);
+* floors: ``empty_call_rtt_us_per_put``, the round trip of a call without arguments between the two
+  processes (TensorPipe and the actor hand-offs: every put pays it, whatever carries its bytes), and
+  ``pack_unpack_us``, packing and unpacking a put's samples in one process, per sample.
 
 Every run checks the samples arrived bit-identical (a checksum per sample, computed on each side).
 
@@ -115,6 +118,21 @@ class Sender:
             got.update(self.peers.call(s, "checksums", timeout=60).result(65))
         return {"per_step_s": per_step, "identical": got == sent and len(got) == len(sent)}
 
+    def floor(self, nbytes: int, samples: int, n: int) -> dict:
+        """What every put costs whatever carries its bytes: an empty call's round trip to the first sink,
+        and packing + unpacking one put's samples in this process (the wire format's per-tensor work)."""
+        from torchdata_overlord.runtime.wire import pack, unpack
+        recs = {i: make_sample(i, nbytes) for i in range(samples)}
+        rtt, wire = [], []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.peers.call(self.sinks[0], "cpu", timeout=60).result(65)
+            rtt.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            unpack(*pack(((0, recs), {})))
+            wire.append(time.perf_counter() - t0)
+        return {"rtt_s": float(np.median(rtt)), "pack_unpack_s": float(np.median(wire))}
+
     def stream(self, nbytes: int, samples: int, calls: int, window: int) -> dict:
         recs = {i: make_sample(i, nbytes) for i in range(samples)}
         sink = self.sinks[0]
@@ -151,7 +169,10 @@ def measure(t, path: str, kib: int, a: dict) -> dict:
     n = a["samples"] * len(sinks)
     call("stream", nbytes, a["samples"], a["window"], a["window"])                   # warm
     s = call("stream", nbytes, a["samples"], a["stream_calls"], a["window"])
+    f = call("floor", nbytes, a["samples"], a["floor_calls"]) if path != "inprocess" else {"rtt_s": 0.0,
+                                                                                          "pack_unpack_s": 0.0}
     return {"kib": kib, "identical": h["identical"], "handoff_us": 1e6 * float(np.median(h["per_step_s"])) / n,
+            "empty_call_rtt_us_per_put": 1e6 * f["rtt_s"], "pack_unpack_us": 1e6 * f["pack_unpack_s"] / a["samples"],
             "handoff_p90_us": 1e6 * float(np.percentile(h["per_step_s"], 90)) / n,
             "stream_us": 1e6 * s["wall_s"] / s["samples"], "cpu_us": 1e6 * s["cpu_s"] / s["samples"],
             "via_shm": s["via_shm"]}
@@ -168,6 +189,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     a = {"sizes_kib": SIZES_KIB, "samples": 8, "window": 4, "warmup": 2 if args.quick else 5,
          "steps": args.steps or (8 if args.quick else 40), "stream_calls": 8 if args.quick else 40,
+         "floor_calls": 5 if args.quick else 30,
          "rounds": args.rounds or (1 if args.quick else 5)}
     t_all, load_start = time.perf_counter(), round(os.getloadavg()[0], 2)
     print(f"loader -> constructor hand-off: {a['samples']} samples per put, 2 constructors, sizes {a['sizes_kib']} KiB; "
@@ -195,13 +217,16 @@ def main(argv=None) -> int:
         for kib, rows in by.items():
             if rows:
                 table[path][kib] = {k: float(np.median([row[k] for row in rows]))
-                                    for k in ("handoff_us", "handoff_p90_us", "stream_us", "cpu_us")}
+                                    for k in ("handoff_us", "handoff_p90_us", "stream_us", "cpu_us",
+                                              "empty_call_rtt_us_per_put", "pack_unpack_us")}
                 table[path][kib]["identical"] = all(row["identical"] for row in rows)
                 table[path][kib]["via_shm"] = sum(row["via_shm"] for row in rows)
     print(f"\nper sample, us (medians of {a['rounds']} round(s)); hand-off: deliver-shaped (a put of {a['samples']} "
           f"samples to each of 2 constructors, then wait for both); stream: {a['window']} puts in flight to one; "
-          f"cpu: both processes' CPU time in the stream run")
-    print(f"{'KiB':>6} {'path':>10} {'hand-off':>9} {'p90':>9} {'stream':>9} {'cpu':>9} {'identical':>9} {'via shm':>8}")
+          f"cpu: both processes' CPU time in the stream run; floors: an empty call's round trip (us per put, "
+          f"whatever carries the bytes) and packing + unpacking (us per sample, in one process)")
+    print(f"{'KiB':>6} {'path':>10} {'hand-off':>9} {'p90':>9} {'stream':>9} {'cpu':>9} {'identical':>9} {'via shm':>8} "
+          f"{'empty call':>10} {'pack+unpack':>11}")
     for kib in map(str, a["sizes_kib"]):
         for path in PATHS:
             row = table[path].get(kib)
@@ -217,12 +242,16 @@ def main(argv=None) -> int:
                    "handoff_meets_target": sh["handoff_us"] <= TARGET_US, "stream_meets_target": sh["stream_us"] <= TARGET_US,
                    "all_identical": all(r["identical"] for by in table.values() for r in by.values()),
                    "shm_used": all(r["via_shm"] > 0 for r in table["shm"].values()),
+                   "empty_call_rtt_us_per_put": sh["empty_call_rtt_us_per_put"],
+                   "floor_us_per_sample_52kib": sh["empty_call_rtt_us_per_put"] / a["samples"] + sh["pack_unpack_us"],
                    "socket_used_no_shm": all(r["via_shm"] == 0 for r in table["socket"].values())}
         print(f"\n52 KiB per sample, one host, target <= {TARGET_US:g} us: hand-off shm {sh['handoff_us']:.1f} us vs socket "
               f"{so['handoff_us']:.1f} us ({'MEETS' if verdict['handoff_meets_target'] else 'MISSES'}); stream shm "
               f"{sh['stream_us']:.1f} vs socket {so['stream_us']:.1f} us "
               f"({'MEETS' if verdict['stream_meets_target'] else 'MISSES'}); bit-identical: {verdict['all_identical']}; "
-              f"shm used: {verdict['shm_used']}, socket path free of it: {verdict['socket_used_no_shm']}")
+              f"shm used: {verdict['shm_used']}, socket path free of it: {verdict['socket_used_no_shm']}; floor whatever "
+              f"carries the bytes: an empty call {verdict['empty_call_rtt_us_per_put']:.0f} us per put of {a['samples']} + "
+              f"pack/unpack = {verdict['floor_us_per_sample_52kib']:.0f} us per sample")
     out = {"benchmark": "transport", "quick": args.quick, "config": a, "paths": PATHS, "table": table, "runs": runs,
            "verdict": verdict, "errors": errors}
     write_results(args.out, out, started=t_all, load_start=load_start)
