@@ -481,9 +481,10 @@ def transport_table(data: dict) -> list[str]:
                       f"hand-off {v['shm_handoff_us_52kib']:.0f} us ({'meets' if v['handoff_meets_target'] else 'misses'}), "
                       f"stream {v['shm_stream_us_52kib']:.0f} us ({'meets' if v['stream_meets_target'] else 'misses'}); "
                       f"every sample bit-identical: {v['all_identical']}."
-                  + (f" The floor under any carrier of the bytes: an empty call's round trip between the two processes, "
-                     f"{v['empty_call_rtt_us_per_put']:.0f} us per put of {c['samples']}, plus packing and unpacking, "
-                     f"{v['floor_us_per_sample_52kib']:.0f} us per sample in all." if "floor_us_per_sample_52kib" in v
+                  + (f" Whatever carries the bytes, an empty call between the two processes takes "
+                     f"{v['empty_call_rtt_us_per_put']:.0f} us ({v['empty_call_rtt_us_per_sample']:.0f} us per sample of a "
+                     f"put of {c['samples']}), and packing + unpacking {v['pack_unpack_us_52kib']:.0f} us per sample."
+                     if "pack_unpack_us_52kib" in v
                      else "")]
     return lines
 
