@@ -26,7 +26,7 @@ Figures, per sample (the step's wall time / samples in it, the median over steps
 
 Every run checks the samples arrived bit-identical (a checksum per sample, computed on each side).
 
-    python benchmarks/transport.py                  # full size (~2 minutes)
+    python benchmarks/transport.py                  # full size (~30 s)
     python benchmarks/transport.py --quick --out /tmp/transport.json     # CI smoke
 """
 
