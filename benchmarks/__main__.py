@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["plan_speed", "balance", "mixing_accuracy", "e2e_throughput", "runtimes", "fault_recovery", "memory",
-           "autoscaling", "startup", "elastic"]
+SCRIPTS = ["plan_speed", "balance", "mixing_accuracy", "e2e_throughput", "runtimes", "transport", "fault_recovery",
+           "memory", "autoscaling", "startup", "elastic"]
 
 
 def main(argv=None) -> int:

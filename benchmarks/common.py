@@ -41,14 +41,16 @@ def write_results(path: Path, payload: dict, started: float | None = None, load_
     print(f"\nwrote {path}{note}")
 
 
-def spawn_one(script: str, kind: str, args: dict, mark: str, timeout: float, cwd: str | None = None) -> dict:
-    """Run ``python <script> --one <kind> --args <json>`` (a figure measured in a fresh process) and return
-    the JSON it printed after ``mark``; a failed run raises with the end of its output."""
+def spawn_one(script: str, kind: str, args: dict, mark: str, timeout: float, cwd: str | None = None,
+              env: dict | None = None) -> dict:
+    """Run ``python <script> --one <kind> --args <json>`` (a figure measured in a fresh process, ``env``
+    added to its environment) and return the JSON it printed after ``mark``; a failed run raises with
+    the end of its output."""
     import subprocess
     import sys
 
     proc = subprocess.run([sys.executable, script, "--one", kind, "--args", json.dumps(args)], capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd)
+                          text=True, timeout=timeout, cwd=cwd, env=None if env is None else {**os.environ, **env})
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(mark)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{kind} run failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")

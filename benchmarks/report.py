@@ -476,7 +476,37 @@ def elastic_table(data: dict) -> list[str]:
     return lines
 
 
+def transport_table(data: dict) -> list[str]:
+    m, c, v = data["machine"], data["config"], data.get("verdict") or {}
+    lines = [f"**Transport** (`python benchmarks/transport.py`, {data['date']}, {m['cores']} cores, load "
+             f"{m.get('load_avg_1m_at_start', '?')} -> {m['load_avg_1m']}): the loader -> constructor hand-off alone, "
+             f"per sample, between two role processes of one host; a put of {c['samples']} samples to each of 2 "
+             f"constructors, then both answers (hand-off), or {c['window']} puts in flight (stream); medians of "
+             f"{c['rounds']} interleaved rounds. *socket*: the wire buffer through loopback TCP (before); *shm*: "
+             f"written into the sender's shared memory, a handle over RPC (the default on one host).", "",
+             "| KiB per sample | in process | socket hand-off | shm hand-off | socket stream | shm stream | "
+             "socket CPU | shm CPU |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    t = data["table"]
+    for kib in t.get("shm", {}):
+        ip, so, sh = t.get("inprocess", {}).get(kib, {}), t["socket"].get(kib, {}), t["shm"][kib]
+        cell = lambda row, k: f"{row[k]:.0f} us" if k in row else "-"          # noqa: E731
+        lines.append(f"| {kib} | {cell(ip, 'handoff_us')} | {cell(so, 'handoff_us')} | {cell(sh, 'handoff_us')} | "
+                     f"{cell(so, 'stream_us')} | {cell(sh, 'stream_us')} | {cell(so, 'cpu_us')} | {cell(sh, 'cpu_us')} |")
+    if v:
+        lines += ["", f"Target (issue 15): <= {v['target_us_per_sample_52kib']:g} us per sample at 52 KiB on one host: "
+                      f"hand-off {v['shm_handoff_us_52kib']:.0f} us ({'meets' if v['handoff_meets_target'] else 'misses'}), "
+                      f"stream {v['shm_stream_us_52kib']:.0f} us ({'meets' if v['stream_meets_target'] else 'misses'}); "
+                      f"every sample bit-identical: {v['all_identical']}."
+                  + (f" Whatever carries the bytes, an empty call between the two processes takes "
+                     f"{v['empty_call_rtt_us_per_put']:.0f} us ({v['empty_call_rtt_us_per_sample']:.0f} us per sample of a "
+                     f"put of {c['samples']}), and packing + unpacking {v['pack_unpack_us_52kib']:.0f} us per sample."
+                     if "pack_unpack_us_52kib" in v
+                     else "")]
+    return lines
+
+
 TABLES = [("plan_speed", plan_speed_table), ("e2e_throughput", e2e_throughput_table), ("runtimes", runtimes_table),
+          ("transport", transport_table),
           ("balance", balance_table), ("mixing_accuracy", mixing_table), ("fault_recovery", fault_recovery_table),
           ("memory", memory_table), ("autoscaling", autoscaling_table), ("startup", startup_table),
           ("elastic", elastic_table)]

@@ -247,10 +247,11 @@ def _create(name: str, factory, args, kwargs):
     return None
 
 
-def _packed(result) -> tuple:
-    """An actor's answer as it travels back (see :mod:`.wire`); one that does not pickle, as its error."""
+def _packed(result, caller: str | None = None) -> tuple:
+    """An actor's answer as it travels back to ``caller`` (see :mod:`.wire`); one that does not pickle,
+    as its error."""
     try:
-        return pack(result)
+        return pack(result, peer=caller)
     except Exception as e:                  # noqa: BLE001 - delivered to the caller
         return pack(Failure(e))
 
@@ -266,7 +267,7 @@ def _invoke(name: str, caller: str, seq: int, method: str, data: bytes, buffer) 
         args, kwargs = unpack(data, buffer)
     except Exception as e:                  # noqa: BLE001 - the call still takes its place in the order
         method, args, kwargs = None, (e,), {}
-    actor.submit(caller, seq, method, args, kwargs, lambda result: fut.set_result(_packed(result)))
+    actor.submit(caller, seq, method, args, kwargs, lambda result: fut.set_result(_packed(result, caller)))
     return fut
 
 

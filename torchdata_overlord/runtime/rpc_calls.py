@@ -2,7 +2,8 @@
 
 Each call takes the next number in its (caller process, actor) sequence, which the actor's process
 uses to run the caller's calls in order (see :mod:`._rpc_worker`). A call to an actor of this very
-process skips RPC; any other travels as one pickle and one tensor buffer (:mod:`.wire`).
+process skips RPC; any other travels as one pickle and one tensor buffer (:mod:`.wire`), the buffer in
+shared memory when the actor's process shares this host (:mod:`.shm`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.distributed.rpc as rpc
 from ._rpc_worker import _SEQ, _SEQ_LOCK, Failure, _actor, _closed_job, _create, _invoke, local_deadlines
 from .rpc_agent import self_name
 from .transport import ActorDied, ActorError, CallTimeout, settle
-from .wire import pack, unpack
+from .wire import discard, pack, unpack
 
 __all__ = ["call_actor", "map_error", "RpcPeers"]
 
@@ -45,7 +46,7 @@ def call_actor(worker: str, actor: str, method: str, args, kwargs, timeout: floa
     local = worker == caller
     if not local:
         try:
-            payload = pack((args, kwargs))
+            payload = pack((args, kwargs), peer=worker)
         except Exception as e:             # noqa: BLE001 - nothing was sent: the order is untouched
             settle(out, exc=ActorError(f"{actor}.{method}(): its arguments do not pickle: {type(e).__name__}: {e}"))
             return out
@@ -71,6 +72,7 @@ def call_actor(worker: str, actor: str, method: str, args, kwargs, timeout: floa
     try:
         fut = rpc.rpc_async(worker, _invoke, args=(key, caller, seq, method, *payload), timeout=timeout)
     except BaseException as e:             # noqa: BLE001
+        discard(payload[1])
         settle(out, exc=on_error(e, actor, method, timeout))
         return out
 

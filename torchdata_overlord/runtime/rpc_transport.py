@@ -20,6 +20,9 @@ Loopback only by default: rendezvous goes through a ``file://`` store in a priva
 directory, not ``tcp://`` (the c10d TCPStore listens on ``::``, every interface, unless given a bound
 socket), and TensorPipe is restricted to its ``uv`` transport and ``basic`` channel with
 ``TP_SOCKET_IFNAME=lo`` and ``GLOO_SOCKET_IFNAME=lo``, so the only listening sockets are on 127.0.0.1.
+Between processes of one host a call's tensors skip the socket: they are written into the sender's
+shared memory (an unnamed memfd, opened by peers through ``/proc``; see :mod:`.shm`), and the RPC
+carries a handle; that opens no socket.
 """
 
 from __future__ import annotations

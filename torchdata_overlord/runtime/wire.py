@@ -9,6 +9,9 @@ receiving side; they share its storage). A tensor whose elements fill one block 
 image permuted from HWC to CHW) travels as that block with its strides: no copy to contiguous first
 (a strided uint8 copy of one image costs about a millisecond). Tensors that need grad, tensor
 subclasses and tensors on other devices are pickled as torch pickles them.
+
+Between processes of one host the buffer is written into shared memory instead, and the message
+carries a reference to it (:mod:`.shm`: ``pack(obj, peer=...)``); :func:`unpack` takes either.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["pack", "unpack"]
+from . import shm
+
+__all__ = ["pack", "unpack", "discard"]
 
 _ALIGN = 16            # every tensor starts at a multiple of 16 bytes of the buffer
 _LOCAL = threading.local()     # the buffer being unpacked on this thread
@@ -81,23 +86,37 @@ class _Packer(pickle.Pickler):
         return _tensor, (offset, a.nbytes, dtype, shape) if stride is None else (offset, a.nbytes, dtype, shape, stride)
 
 
-def pack(obj) -> tuple[bytes, torch.Tensor | None]:
-    """``obj`` as (pickle, one uint8 tensor holding its CPU tensors, or None when it has none)."""
+def pack(obj, peer: str | None = None) -> tuple[bytes, torch.Tensor | tuple | None]:
+    """``obj`` as (pickle, one uint8 tensor holding its CPU tensors, or None when it has none). With
+    ``peer`` (the RPC worker it goes to), the buffer goes into this process's shared memory when
+    ``peer`` shares the host (:func:`.shm.peer_ready`), and its reference takes the tensor's place."""
     f = io.BytesIO()
     p = _Packer(f)
     p.dump(obj)
     if not p.parts:
         return f.getvalue(), None
-    buffer = np.empty(p.size, np.uint8)
+    got = shm.alloc(p.size) if peer is not None and shm.peer_ready(peer) else None
+    if got is None:
+        buffer, out = np.empty(p.size, np.uint8), None
+    else:
+        out, buffer = got
     for offset, a in p.parts:
         buffer[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
-    return f.getvalue(), torch.from_numpy(buffer)
+    return f.getvalue(), torch.from_numpy(buffer) if out is None else out
 
 
-def unpack(data: bytes, buffer: torch.Tensor | None):
-    """The object :func:`pack` gave ``(data, buffer)`` for; its tensors are views of ``buffer``."""
+def discard(buffer) -> None:
+    """A packed message that was never sent: give its shared memory back (nothing to do for a tensor)."""
+    if isinstance(buffer, tuple):
+        shm.free(buffer)
+
+
+def unpack(data: bytes, buffer: torch.Tensor | tuple | None):
+    """The object :func:`pack` gave ``(data, buffer)`` for; its tensors are views of ``buffer`` (of the
+    sender's shared memory, when ``buffer`` is a reference to it)."""
     previous = getattr(_LOCAL, "buffer", None)
-    _LOCAL.buffer = None if buffer is None else buffer.numpy()
+    _LOCAL.buffer = (None if buffer is None else shm.receive(buffer) if isinstance(buffer, tuple)
+                     else buffer.numpy())
     try:
         return pickle.loads(data)
     finally:
