@@ -120,6 +120,7 @@ class RpcJob(Job):
             else:
                 from .rpc_transport import RpcTransport
                 self.client = 0
+                cfg.pickle_specs()              # while the fork server imports torch
                 self.transport = RpcTransport(n_workers + spares, startup_timeout=startup_timeout, rpc_timeout=self.timeout,
                                               stop_timeout=stop_timeout)
                 self._fit_workers()

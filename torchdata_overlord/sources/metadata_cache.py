@@ -63,6 +63,7 @@ class FileTable:
         self.skipped = [list(x) for x in skipped]
         self.filesystems = list(filesystems)
         self.fs_index = fs_index
+        self._packed: dict | None = None     # the pickled column-wise form (the columns never change)
 
     def __len__(self) -> int:
         return len(self.shown)
@@ -122,11 +123,12 @@ class FileTable:
                    [[str(f), str(e)] for f, e in c.get("skipped", [])])
 
     def __reduce__(self):
-        c = self.columns()
-        packed = {**c, "tails": "\0".join(c["tails"]), "count": len(c["tails"]),
-                  **{k: _small(np.asarray(c[k], np.int64)) for k in _INTS}}
+        if self._packed is None:          # computed once: a job pickles its sources' tables as it starts roles
+            c = self.columns()
+            self._packed = {**c, "tails": "\0".join(c["tails"]), "count": len(c["tails"]),
+                            **{k: _small(np.asarray(c[k], np.int64)) for k in _INTS}}
         fs_index = None if self.fs_index is None else np.asarray(self.fs_index, np.int32)
-        return _unpack, (packed, self.filesystems, fs_index)
+        return _unpack, (self._packed, self.filesystems, fs_index)
 
 
 def _small(a: np.ndarray) -> np.ndarray:
