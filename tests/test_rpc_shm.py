@@ -29,6 +29,28 @@ def _maps(pid: int) -> str:
         return f.read()
 
 
+def _dev_shm_maps(pid: int) -> set:
+    """The /dev/shm files ``pid`` maps (other code in a test process, e.g. torch.multiprocessing, may map some)."""
+    return {line.split(None, 5)[-1] for line in _maps(pid).splitlines() if "/dev/shm/" in line}
+
+
+def _exited(pid: int) -> bool:
+    """``pid`` is gone or a zombie (a child not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _until(condition, timeout: float = 30.0, what: str = "") -> None:
+    """Wait for ``condition()`` to hold (re-checked every 10 ms), at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.01)
+
+
 @pytest.fixture
 def arena(monkeypatch):
     """This process's own arena, with a pretend peer that shares the host (no RPC group needed)."""
@@ -51,13 +73,13 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def test_pack_into_shared_memory_then_unpack_gives_the_same_objects(arena):
-    before = _dev_shm()
+    before, mapped = _dev_shm(), _dev_shm_maps(os.getpid())
     objs = {i: _sample(i) for i in range(4)}
     data, ref = pack(objs, peer="peer")
     assert isinstance(ref, tuple) and ref[0] == "shm"              # a handle, not a tensor
     got = unpack(data, ref)
     assert all(_same(objs[i], got[i]) for i in objs)
-    assert "memfd:overlord-wire" in _maps(os.getpid()) and "/dev/shm/" not in _maps(os.getpid())
+    assert "memfd:overlord-wire" in _maps(os.getpid()) and _dev_shm_maps(os.getpid()) == mapped
     assert _dev_shm() - before == set()
     # no peer given, or the peer not known to share the host: the buffer is a tensor, as before
     assert isinstance(pack(objs)[1], torch.Tensor)
@@ -144,7 +166,7 @@ def test_rpc_same_host_buffers_travel_in_shared_memory_and_leave_nothing_behind(
     views of a killed sender's arena stay valid."""
     from torchdata_overlord.runtime.rpc_transport import RpcTransport
 
-    before = _dev_shm()
+    before, mapped = _dev_shm(), _dev_shm_maps(os.getpid())
     t0 = time.time()
     with RpcTransport(n_workers=2, startup_timeout=60, rpc_timeout=30, stop_timeout=10) as t:
         t.place({"a": 0, "b": 1})
@@ -158,17 +180,20 @@ def test_rpc_same_host_buffers_travel_in_shared_memory_and_leave_nothing_behind(
         assert b_stats["received"] == a_stats["sent"]
         # answers to the client come back through shared memory too (the client probed by the worker)
         x = torch.randn(100, 100)
-        for _ in range(4):
+
+        def echoed_through_shm() -> bool:          # the worker probes this client on its first answer
             y = t.call("b", "echo", {"x": x}, timeout=30).result(40)
-            time.sleep(0.1)
-        assert torch.equal(y["x"], x)
-        assert t.call("b", "shm_stats", timeout=30).result(40)["sent"] >= 1
-        for pid in [os.getpid()] + t.worker_pids:
-            assert "/dev/shm/" not in _maps(pid)
+            assert torch.equal(y["x"], x)
+            return t.call("b", "shm_stats", timeout=30).result(40)["sent"] >= 1
+        _until(echoed_through_shm, what="an answer to the client through shared memory")
+        assert _dev_shm_maps(os.getpid()) == mapped
+        for pid in t.worker_pids:
+            assert _dev_shm_maps(pid) == set()
         assert "memfd:overlord-wire" in t.call("a", "maps", timeout=30).result(40)
         # kill the sender while the receiver holds views of its arena: they stay readable
-        os.kill(t.worker_pids[0], signal.SIGKILL)
-        time.sleep(0.5)
+        killed = t.worker_pids[0]
+        os.kill(killed, signal.SIGKILL)
+        _until(lambda: _exited(killed), what=f"process {killed} to exit")
         assert t.call("b", "sums", timeout=30).result(40) == sent
     new = {e for e in _dev_shm() - before if os.stat(f"/dev/shm/{e}").st_mtime >= t0 - 1}
     assert new == set(), f"left in /dev/shm: {sorted(new)}"
