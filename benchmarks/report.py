@@ -29,6 +29,8 @@ def plan_speed_table(data: dict) -> list[str]:
         lines.append(f"| {n:,} | {g['seconds_median']:.3f} | {k['seconds_median']:.3f} | "
                      f"{g['max_over_mean']:.3f} | {k['max_over_mean']:.3f} |")
     for method, v in data.get("verdict", {}).items():
+        if "seconds_at_target" not in v:          # the bucket-count verdict, rendered with its table below
+            continue
         lines.append("")
         lines.append(f"- {method}: {v['seconds_at_target']:.3f} s at the target size "
                      f"({'meets' if v['meets_time'] else 'misses'} the target); time / (n log n) changes "
@@ -45,6 +47,10 @@ def plan_speed_table(data: dict) -> list[str]:
         for b in sorted({r["buckets"] for r in brows}):
             lines.append(f"| {b:,} | {byb[('greedy', b)]['seconds_median']:.3f} | "
                          f"{byb[('karmarkar_karp', b)]['seconds_median']:.3f} |")
+        every = data.get("verdict", {}).get("karmarkar_karp_every_bucket_count")
+        if every:
+            lines += ["", f"- karmarkar_karp at every bucket count (target <= {t['seconds']} s): "
+                          f"{'meets' if every['meets_time'] else 'misses'} it."]
     for r in [r for r in data["rows"] + brows if r["samples"] == t["samples"] and r["seconds_median"] > t["seconds"]]:
         where = "; ".join(f"{p['function']} {100 * p['own_share']:.0f}%" for p in r.get("profile", [])[:4])
         lines += ["", f"- Above {t['seconds']} s: {r['method']}, {r['samples']:,} samples over {r['buckets']:,} buckets "
