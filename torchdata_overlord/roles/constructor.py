@@ -215,8 +215,7 @@ class DataConstructor:
         enc_rank = self._encoder_ranks(encoder) if encoder is not None else None
         built = [self._microbatch(plan, bucket, m, items, samples, cp, enc_rank)
                  for m, items in enumerate(plan.bucket_microbatches(bucket))]
-        scalars = {r: torch.tensor(r) for r in range(cp)} if cp > 1 else {}
-        scalars["size"] = torch.tensor(cp)
+        scalars = {**{r: torch.tensor(r) for r in range(cp)}, "size": torch.tensor(cp)} if cp > 1 else {}
         pp_last = plan.mesh.sizes.get("pp", 1) - 1
         out: dict[int, object] = {}
         enc_cache: dict[int, dict] = {}
