@@ -158,12 +158,14 @@ def build_corpus(root: Path, n_sources: int, row_group_mib: float, files: int, r
 
     kib = round(row_group_mib * 1024)
     root.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(root.parent).free - (4 << 30)          # 4 GiB left to everyone else
+    free = shutil.disk_usage(root.parent).free
+    margin = min(4 << 30, free // 2)                                # left to everyone else: 4 GiB, or half a small disk
+    free -= margin
     while files * row_groups > 1 and n_sources * files * row_groups * kib * 1024 > free:
         files, row_groups = (files, row_groups - 1) if row_groups > 1 else (files - 1, row_groups)
     if n_sources * kib * 1024 > free:
         raise RuntimeError(f"{root.parent}: {n_sources} row groups of {kib} KiB do not fit the free disk space "
-                           f"({free / 2**30:.1f} GiB beyond a 4 GiB margin); pass another --root")
+                           f"({free / 2**30:.1f} GiB beyond a {margin / 2**30:.1f} GiB margin); pass another --root")
     config = {"version": CORPUS_VERSION, "row_group_kib": kib, "files": files, "row_groups": row_groups, "seed": seed}
     try:
         manifest = json.loads((root / "manifest.json").read_text())
