@@ -76,8 +76,12 @@ class ClientPlaceTree:
 
     def coords(self, rank: int) -> dict[str, int]:
         """The coordinates of ``rank`` along every axis, e.g. ``{'pp': 0, 'dp': 3, 'cp': 1, 'tp': 0}``."""
-        idx = np.unravel_index(self._check_rank(rank), self._shape)
-        return {a: int(i) for a, i in zip(self.order, idx)}
+        rank = self._check_rank(rank)
+        idx = []
+        for size in reversed(self._shape):          # row-major, as np.unravel_index (a plan asks per rank and step)
+            rank, i = divmod(rank, size)
+            idx.append(i)
+        return dict(zip(self.order, reversed(idx)))
 
     def rank(self, **coords: int) -> int:
         """The rank at ``coords``; omitted axes are 0."""

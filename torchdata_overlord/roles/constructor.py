@@ -94,7 +94,10 @@ def record_images(record: Mapping[str, Any]) -> list[tuple[torch.Tensor, tuple[i
 
 def _text_ids(record: Mapping[str, Any]) -> np.ndarray:
     """A record's text ids as int64 numpy (a view of its tensor where it is one)."""
-    return torch.as_tensor(record["input_ids"]).reshape(-1).numpy().astype(np.int64, copy=False)
+    ids = record["input_ids"]
+    if type(ids) is torch.Tensor and ids.dtype == torch.int64 and ids.dim() == 1:   # what Tokenize gives
+        return ids.numpy()
+    return torch.as_tensor(ids).reshape(-1).numpy().astype(np.int64, copy=False)
 
 
 def sequence_length(record: Mapping[str, Any], image_token_id: int | None) -> int:

@@ -39,7 +39,7 @@ _PLACE = object()       # a buffered row's record while a catch-up holds its pla
 def record_bytes(record: Any) -> int:
     """Approximate bytes of a sample record (tensor storage, strings, 8 per other leaf)."""
     if isinstance(record, torch.Tensor):
-        return record.numel() * record.element_size()
+        return record.nbytes
     if isinstance(record, dict):
         return sum(record_bytes(v) for v in record.values())
     if isinstance(record, (list, tuple)):
