@@ -231,3 +231,24 @@ def test_merge_rejects_bad_shards():
     p = pack([torch.arange(8)], None)
     with pytest.raises(ValueError, match="ordered"):
         merge_packed([split_packed(p, 2, 1), split_packed(p, 2, 0)])
+
+
+@SETTINGS
+@given(st.integers(1, 5), st.lists(st.integers(0, 12), max_size=10), st.integers(0, 3))
+def test_rank_major_order_is_every_ranks_packed_indices_in_turn(cp, chunks, start_chunks):
+    """The constructor splits a row for all CP ranks with one gather by ``_cp_order``: rank r's slice
+    of it must be exactly rank r's held positions (recomputed per sequence with plain loops)."""
+    import numpy as np
+
+    from torchdata_overlord.transforms.cp_split import _cp_order
+
+    cu = [2 * cp * start_chunks]
+    for c in chunks:
+        cu.append(cu[-1] + 2 * cp * c)
+    order = _cp_order(np.asarray(cu, np.int32), cp)
+    n = (cu[-1] - cu[0]) // cp
+    assert order.dtype == np.int64 and len(order) == cp * n
+    for r in range(cp):
+        expected = [p for a, b in zip(cu, cu[1:]) for p in expected_positions(b - a, cp, r, start=a)]
+        assert order[r * n:(r + 1) * n].tolist() == expected
+        assert packed_indices(torch.tensor(cu), cp, r).tolist() == expected

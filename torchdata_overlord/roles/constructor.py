@@ -43,7 +43,7 @@ import torch
 from ..errors import ConfigError, OverlordError, OversizeSampleError
 from ..plane.plan import Plan, PlanItem, row_cp
 from ..plane.records import SampleKey
-from ..transforms.cp_split import _packed_indices, zigzag_indices
+from ..transforms.cp_split import _cp_order, zigzag_indices
 from ..transforms.packing import PER_TOKEN_FIELDS, _pack_arrays, _row_length
 
 __all__ = ["DataConstructor", "MissingSampleError", "sequence_length", "sequence_of", "record_images",
@@ -222,7 +222,7 @@ class DataConstructor:
         pp_last = plan.mesh.sizes.get("pp", 1) - 1
         out: dict[int, object] = {}
         enc_cache: dict[int, dict] = {}
-        splits: dict[tuple[int, int], dict] = {}      # (microbatch, cp rank) -> zig-zag shard, shared by PP stages
+        splits: dict[int, list[dict]] = {}            # microbatch -> every CP rank's zig-zag shard, shared by PP stages
         for r in plan.buckets[bucket]:
             delivery = plan.delivery(r)
             if delivery == "none":
@@ -232,9 +232,9 @@ class DataConstructor:
                 cp_rank = c.get("cp", 0)
                 mbs = []
                 for m, (row, arrays) in enumerate(built):
-                    if cp > 1 and (m, cp_rank) not in splits:
-                        splits[m, cp_rank] = self._split(row, arrays, cp, cp_rank, scalars)
-                    mbs.append(self._client_view(row, splits.get((m, cp_rank)), delivery == "metadata",
+                    if cp > 1 and m not in splits:
+                        splits[m] = self._split(row, arrays, cp, scalars)
+                    mbs.append(self._client_view(row, splits[m][cp_rank] if cp > 1 else None, delivery == "metadata",
                                                  c.get("pp", 0) == pp_last))
             out[r] = {"delivery": delivery, "microbatches": mbs,
                       "encoder": None if encoder is None else self._encoder_part(encoder, r, samples, enc_cache)}
@@ -366,12 +366,20 @@ class DataConstructor:
         return row, arrays
 
     @staticmethod
-    def _split(row: dict, arrays: dict, cp: int, rank: int, scalars: dict) -> dict:
-        """CP ``rank``'s zig-zag shard of a packed row, as :func:`~torchdata_overlord.transforms.split_packed`
-        gives it, taken from the row's numpy arrays (the 0-d ``cp_rank``/``cp_size`` shared by its rows)."""
-        idx = _packed_indices(arrays["cu_seqlens_padded"], cp, rank)
-        out = {k: (torch.from_numpy(arrays[k][idx]) if k in PER_TOKEN_FIELDS else row[k]) for k in _SPLIT_FIELDS}
-        out["cp_rank"], out["cp_size"], out["token_index"] = scalars[rank], scalars["size"], torch.from_numpy(idx)
+    def _split(row: dict, arrays: dict, cp: int, scalars: dict) -> list[dict]:
+        """Every CP rank's zig-zag shard of a packed row, as :func:`~torchdata_overlord.transforms.split_packed`
+        gives it, taken from the row's numpy arrays: one gather per field in rank-major order, each rank's
+        shard a view of it (the 0-d ``cp_rank``/``cp_size`` shared by its rows)."""
+        order = _cp_order(arrays["cu_seqlens_padded"], cp)
+        n = len(order) // cp
+        gathered = {k: arrays[k][order] for k in PER_TOKEN_FIELDS}
+        out = []
+        for r in range(cp):
+            lo, hi = r * n, (r + 1) * n
+            shard = {k: (torch.from_numpy(gathered[k][lo:hi]) if k in gathered else row[k]) for k in _SPLIT_FIELDS}
+            shard["cp_rank"], shard["cp_size"], shard["token_index"] = \
+                scalars[r], scalars["size"], torch.from_numpy(order[lo:hi])
+            out.append(shard)
         return out
 
     def _client_view(self, row: dict, split: dict | None, metadata: bool, last_stage: bool) -> dict:

@@ -69,6 +69,18 @@ def packed_indices(cu_seqlens_padded: torch.Tensor, cp: int, rank: int) -> torch
 def _packed_indices(cu_seqlens_padded: np.ndarray, cp: int, rank: int) -> np.ndarray:
     """:func:`packed_indices` in numpy (whole-row operations: a row of many sequences costs no more calls)."""
     _check_cp(cp, rank)
+    return _chunk_indices(cu_seqlens_padded, cp, np.array([[rank]]))
+
+
+def _cp_order(cu_seqlens_padded: np.ndarray, cp: int) -> np.ndarray:
+    """Every CP rank's :func:`packed_indices` one after another (rank r's are ``out[r*n//cp:(r+1)*n//cp]``):
+    one gather by this order gives every rank's shard as a view (a row split for all ranks at once)."""
+    _check_cp(cp, 0)
+    return _chunk_indices(cu_seqlens_padded, cp, np.arange(cp)[:, None])
+
+
+def _chunk_indices(cu_seqlens_padded: np.ndarray, cp: int, ranks: np.ndarray) -> np.ndarray:
+    """Row positions of chunks ``r`` and ``2*cp-1-r`` of every entry, for each r of ``ranks`` (shape (k, 1)) in turn."""
     cu = cu_seqlens_padded.astype(np.int64)
     lens = cu[1:] - cu[:-1]
     bad = np.flatnonzero(lens % (2 * cp))
@@ -77,11 +89,10 @@ def _packed_indices(cu_seqlens_padded: np.ndarray, cp: int, rank: int) -> np.nda
         raise ConfigError(f"entry {j} of the packed row is {int(lens[j])} tokens long, not a multiple of 2*cp={2 * cp}; "
                           f"pack with sequence_multiple={2 * cp} (or call pad_for_cp(packed, cp)) before splitting")
     c = lens // (2 * cp)
-    starts = np.stack([cu[:-1] + rank * c, cu[:-1] + (2 * cp - 1 - rank) * c], 1).reshape(-1)
-    sizes = np.repeat(c, 2)
+    starts = np.stack([cu[:-1] + ranks * c, cu[:-1] + (2 * cp - 1 - ranks) * c], -1).reshape(-1)   # (rank, entry, 2)
+    sizes = np.tile(np.repeat(c, 2), len(ranks))
     n = int(sizes.sum())
-    within = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    return np.repeat(starts, sizes) + within
+    return np.repeat(starts - (np.cumsum(sizes) - sizes), sizes) + np.arange(n, dtype=np.int64)
 
 
 def zigzag_split(tensor: torch.Tensor, cp: int, rank: int, dim: int = -1) -> torch.Tensor:
