@@ -505,7 +505,10 @@ def transport_table(data: dict) -> list[str]:
                       f"every sample bit-identical: {v['all_identical']}."
                   + (f" Whatever carries the bytes, an empty call between the two processes takes "
                      f"{v['empty_call_rtt_us_per_put']:.0f} us ({v['empty_call_rtt_us_per_sample']:.0f} us per sample of a "
-                     f"put of {c['samples']}), and packing + unpacking {v['pack_unpack_us_52kib']:.0f} us per sample."
+                     f"put of {c['samples']}"
+                     + (f"; TensorPipe's own round trip, without the actor, its ordering or the wire format: "
+                        f"{v['tensorpipe_rtt_us_per_put']:.0f} us" if "tensorpipe_rtt_us_per_put" in v else "")
+                     + f"), and packing + unpacking {v['pack_unpack_us_52kib']:.0f} us per sample."
                      if "pack_unpack_us_52kib" in v
                      else "")]
     return lines

@@ -120,18 +120,29 @@ class Sender:
 
     def floor(self, nbytes: int, samples: int, n: int) -> dict:
         """What every put costs whatever carries its bytes: an empty call's round trip to the first sink,
-        and packing + unpacking one put's samples in this process (the wire format's per-tensor work)."""
+        TensorPipe's own round trip to that process (``rpc_async`` of a builtin: no actor, no ordering, no
+        wire format), and packing + unpacking one put's samples in this process (the wire format's
+        per-tensor work)."""
+        import operator
+
+        import torch.distributed.rpc as rpc
+
         from torchdata_overlord.runtime.wire import pack, unpack
         recs = {i: make_sample(i, nbytes) for i in range(samples)}
-        rtt, wire = [], []
+        worker = self.peers.where(self.sinks[0])
+        rtt, raw, wire = [], [], []
         for _ in range(n):
             t0 = time.perf_counter()
             self.peers.call(self.sinks[0], "cpu", timeout=60).result(65)
             rtt.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
+            rpc.rpc_async(worker, operator.add, args=(1, 1), timeout=60).wait()
+            raw.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
             unpack(*pack(((0, recs), {})))
             wire.append(time.perf_counter() - t0)
-        return {"rtt_s": float(np.median(rtt)), "pack_unpack_s": float(np.median(wire))}
+        return {"rtt_s": float(np.median(rtt)), "raw_rtt_s": float(np.median(raw)),
+                "pack_unpack_s": float(np.median(wire))}
 
     def stream(self, nbytes: int, samples: int, calls: int, window: int) -> dict:
         recs = {i: make_sample(i, nbytes) for i in range(samples)}
@@ -169,10 +180,11 @@ def measure(t, path: str, kib: int, a: dict) -> dict:
     n = a["samples"] * len(sinks)
     call("stream", nbytes, a["samples"], a["window"], a["window"])                   # warm
     s = call("stream", nbytes, a["samples"], a["stream_calls"], a["window"])
-    f = call("floor", nbytes, a["samples"], a["floor_calls"]) if path != "inprocess" else {"rtt_s": 0.0,
-                                                                                          "pack_unpack_s": 0.0}
+    f = call("floor", nbytes, a["samples"], a["floor_calls"]) if path != "inprocess" else {
+        "rtt_s": 0.0, "raw_rtt_s": 0.0, "pack_unpack_s": 0.0}
     return {"kib": kib, "identical": h["identical"], "handoff_us": 1e6 * float(np.median(h["per_step_s"])) / n,
-            "empty_call_rtt_us_per_put": 1e6 * f["rtt_s"], "pack_unpack_us": 1e6 * f["pack_unpack_s"] / a["samples"],
+            "empty_call_rtt_us_per_put": 1e6 * f["rtt_s"], "tensorpipe_rtt_us_per_put": 1e6 * f["raw_rtt_s"],
+            "pack_unpack_us": 1e6 * f["pack_unpack_s"] / a["samples"],
             "handoff_p90_us": 1e6 * float(np.percentile(h["per_step_s"], 90)) / n,
             "stream_us": 1e6 * s["wall_s"] / s["samples"], "cpu_us": 1e6 * s["cpu_s"] / s["samples"],
             "via_shm": s["via_shm"]}
@@ -218,7 +230,8 @@ def main(argv=None) -> int:
             if rows:
                 table[path][kib] = {k: float(np.median([row[k] for row in rows]))
                                     for k in ("handoff_us", "handoff_p90_us", "stream_us", "cpu_us",
-                                              "empty_call_rtt_us_per_put", "pack_unpack_us")}
+                                              "empty_call_rtt_us_per_put", "tensorpipe_rtt_us_per_put",
+                                              "pack_unpack_us")}
                 table[path][kib]["identical"] = all(row["identical"] for row in rows)
                 table[path][kib]["via_shm"] = sum(row["via_shm"] for row in rows)
     print(f"\nper sample, us (medians of {a['rounds']} round(s)); hand-off: deliver-shaped (a put of {a['samples']} "
@@ -226,14 +239,15 @@ def main(argv=None) -> int:
           f"cpu: both processes' CPU time in the stream run; floors: an empty call's round trip (us per put, "
           f"whatever carries the bytes) and packing + unpacking (us per sample, in one process)")
     print(f"{'KiB':>6} {'path':>10} {'hand-off':>9} {'p90':>9} {'stream':>9} {'cpu':>9} {'identical':>9} {'via shm':>8} "
-          f"{'empty call':>10} {'pack+unpack':>11}")
+          f"{'empty call':>10} {'tensorpipe':>10} {'pack+unpack':>11}")
     for kib in map(str, a["sizes_kib"]):
         for path in PATHS:
             row = table[path].get(kib)
             if row:
                 print(f"{kib:>6} {path:>10} {row['handoff_us']:>9.1f} {row['handoff_p90_us']:>9.1f} "
                       f"{row['stream_us']:>9.1f} {row['cpu_us']:>9.1f} {str(row['identical']):>9} {row['via_shm']:>8} "
-                      f"{row['empty_call_rtt_us_per_put']:>10.0f} {row['pack_unpack_us']:>11.1f}")
+                      f"{row['empty_call_rtt_us_per_put']:>10.0f} {row['tensorpipe_rtt_us_per_put']:>10.0f} "
+                      f"{row['pack_unpack_us']:>11.1f}")
     verdict = {}
     if "52" in table["shm"] and "52" in table["socket"]:
         sh, so = table["shm"]["52"], table["socket"]["52"]
@@ -245,6 +259,7 @@ def main(argv=None) -> int:
                    "shm_used": all(r["via_shm"] > 0 for r in table["shm"].values()),
                    "empty_call_rtt_us_per_put": sh["empty_call_rtt_us_per_put"],
                    "empty_call_rtt_us_per_sample": sh["empty_call_rtt_us_per_put"] / a["samples"],
+                   "tensorpipe_rtt_us_per_put": sh["tensorpipe_rtt_us_per_put"],
                    "pack_unpack_us_52kib": sh["pack_unpack_us"],
                    "socket_used_no_shm": all(r["via_shm"] == 0 for r in table["socket"].values())}
         print(f"\n52 KiB per sample, one host, target <= {TARGET_US:g} us: hand-off shm {sh['handoff_us']:.1f} us vs socket "
@@ -253,7 +268,8 @@ def main(argv=None) -> int:
               f"({'MEETS' if verdict['stream_meets_target'] else 'MISSES'}); bit-identical: {verdict['all_identical']}; "
               f"shm used: {verdict['shm_used']}, socket path free of it: {verdict['socket_used_no_shm']}; whatever "
               f"carries the bytes, an empty call takes {verdict['empty_call_rtt_us_per_put']:.0f} us "
-              f"({verdict['empty_call_rtt_us_per_sample']:.0f} us per sample of a put of {a['samples']}), and packing + "
+              f"({verdict['empty_call_rtt_us_per_sample']:.0f} us per sample of a put of {a['samples']}; TensorPipe's own "
+              f"round trip {verdict['tensorpipe_rtt_us_per_put']:.0f} us), and packing + "
               f"unpacking {verdict['pack_unpack_us_52kib']:.0f} us per sample")
     out = {"benchmark": "transport", "quick": args.quick, "config": a, "paths": PATHS, "table": table, "runs": runs,
            "verdict": verdict, "errors": errors}
