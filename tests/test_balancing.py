@@ -509,3 +509,28 @@ def test_karmarkar_karp_falls_back_to_the_cheaper_whole_step_layout(monkeypatch)
             lost += 1
             assert with_fb == lpt
     assert lost >= 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(k=st.integers(1, 80), n=st.integers(0, 400), seed=st.integers(0, 2**16),
+       kind=st.sampled_from(["ties", "pareto", "zeros"]), with_loads=st.booleans())
+def test_greedy_rounds_place_exactly_like_the_heap(k, n, seed, kind, with_loads):
+    """Uncapped LPT by numpy rounds gives every item the bin the (load, bin) heap gives it: small
+    integer costs and loads (ties everywhere), heavy tails, zero costs, initial loads."""
+    import torchdata_overlord.plane.balancing.greedy as gr
+
+    rng = np.random.default_rng(seed)
+    costs = {"ties": rng.integers(0, 5, n).astype(np.float64), "pareto": (rng.pareto(1.1, n) + 1) ** 2,
+             "zeros": np.where(rng.random(n) < 0.5, 0.0, rng.random(n))}[kind]
+    loads = rng.integers(0, 4, k).astype(np.float64) if with_loads else None
+    p = BinProblem(costs, np.ones(n, np.int64), k, loads=loads)
+    saved = gr.BATCH_BINS, gr.FEW
+    try:
+        gr.BATCH_BINS = 10**9
+        heap = gr.greedy(p)
+        gr.BATCH_BINS = 1
+        for few in (1, 8, 10**9):              # never, sometimes, always hand rounds to the heap
+            gr.FEW = few
+            assert np.array_equal(gr.greedy(p).bins, heap.bins), few
+    finally:
+        gr.BATCH_BINS, gr.FEW = saved

@@ -173,7 +173,7 @@ def _differencing(p: BinProblem, order: np.ndarray, per_row: int) -> BinAssignme
     # anchor's slots down the merge tree tells which final slot each original bin became.
     ops = _LIST_OPS if _small(k) else _NUMPY_OPS
     sums = [ops.vec(loads)] + ops.rows(cost_of[grid])
-    toks = [ops.vec(tload)] + ops.rows(tok_of[grid])
+    toks = [ops.vec(tload)] + ops.rows(tok_of[grid]) if p.cap is not None else [None] * (rows + 1)
     width = [k] * (rows + 1)                 # slots each partition had when it was last touched
     heap = [(-ops.spread(s_), i) for i, s_ in enumerate(sums)]
     heapq.heapify(heap)
@@ -203,7 +203,8 @@ def _differencing(p: BinProblem, order: np.ndarray, per_row: int) -> BinAssignme
         new = ops.add(ops.take(sums[a], ord_a), ops.take(sums[b], ord_b))
         parent = len(sums)
         sums.append(new)
-        toks.append(ops.add(ops.take(toks[a], ord_a), ops.take(toks[b], ord_b)))
+        # token sums matter only under a cap
+        toks.append(None if cap is None else ops.add(ops.take(toks[a], ord_a), ops.take(toks[b], ord_b)))
         width.append(n_bins)
         merges.append((a, b, parent, ops.inverse(ord_a), ops.inverse(ord_b)))
         sums[a] = sums[b] = toks[a] = toks[b] = None      # free memory as we go
