@@ -16,10 +16,11 @@ at 65,536 items x 4,096 bins; 131,072 samples over 8 buckets took 0.62 s, 6.4 s 
 Under a count cap (``equal_counts``) items still start in rows of ``k``: that balanced-size
 variant gives every bin exactly one item per row. Differencing balances spreads, which is not always
 what the plan is judged by (a lockstep sum over microbatch index of the max over ranks): ``place``
-(``layout.FALLBACK``) also lays the whole step out with LPT when this answer's lockstep cost is above
-its lower bound, and keeps the cheaper layout; this function itself runs LPT only where differencing
-would not change its answer (each of the largest items starting a bin of its own) or finds no room
-under the token cap.
+(``layout.FALLBACK``) also lays the whole step out with LPT, unless this method's layout is within
+``layout.FALLBACK_SLACK`` of the lower bound or every answer it gave was LPT's, and keeps the cheaper
+layout. This function itself does not compare itself with LPT: it hands back LPT's whole answer
+(marked ``by="greedy"``) only where differencing would not change it (each of the largest items
+starting a bin of its own) or where differencing finds no room under the token cap.
 
 A token cap is honoured inside each merge: a pairing that would overflow a bin is repaired by
 swapping partners; when no swap fits, ``grow`` empty bins are opened in every partition.
