@@ -71,8 +71,9 @@ def _fill_microbatches(bucket: np.ndarray, tokens: np.ndarray, n_buckets: int, m
 def _per_bucket(method, costs, tokens, bucket, n_buckets, m, cap, used: set) -> np.ndarray:
     """Balance microbatches inside each bucket separately (may open microbatches per bucket)."""
     mb = np.zeros(len(costs), np.int64)
-    for b in range(n_buckets):
-        idx = np.flatnonzero(bucket == b)
+    by_bucket = np.argsort(bucket, kind="stable")       # each bucket's items, in arrival order
+    counts = np.bincount(bucket, minlength=n_buckets)
+    for b, idx in enumerate(np.split(by_bucket, np.cumsum(counts)[:-1])):
         if len(idx):
             res = run_balancer(method, BinProblem(costs[idx], tokens[idx], m, cap=cap, grow=1))
             used.add(res.by or method)
@@ -84,7 +85,8 @@ def _lpt_rounds(costs, tokens, bucket, n_buckets: int, m: int, cap) -> np.ndarra
     """Greedy (LPT) inside every bucket at once: round r places each bucket's r-th largest item
     in that bucket's least-loaded microbatch that fits, opening a microbatch when none does."""
     n = len(costs)
-    order = np.lexsort((-costs, bucket))
+    order = np.argsort(-costs, kind="stable")
+    order = order[np.argsort(bucket[order], kind="stable")]   # by bucket, then largest first (= lexsort)
     counts = np.bincount(bucket, minlength=n_buckets)
     starts = np.cumsum(counts) - counts
     rank = np.empty(n, np.int64)
