@@ -488,6 +488,25 @@ def test_karmarkar_karp_whole_step_lockstep_never_worse_than_greedy(case):
     assert kk <= (1 + FALLBACK_SLACK) * lpt * (1 + 1e-12), (kk, lpt)
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 200), dp=st.integers(1, 4), cp=st.sampled_from([2, 4]), M=st.integers(1, 6),
+       seed=st.integers(0, 2**16))
+def test_karmarkar_karp_whole_step_lockstep_with_cp_spans(n, dp, cp, M, seed):
+    """The same with sequences spanning CP ranks (pooled lockstep bins, initial loads left by the
+    spans): KK's whole-step lockstep stays within ``FALLBACK_SLACK`` of greedy's."""
+    from torchdata_overlord.plane.balancing.layout import FALLBACK_SLACK
+
+    rng = np.random.default_rng(seed)
+    cap = 64_000
+    tokens = np.minimum((2000 * (rng.pareto(1.1, n) + 1)).astype(np.int64), cap * cp)
+    span = np.minimum(-(-tokens // cap), cp)
+    costs = tokens.astype(np.float64) ** 2
+    kw = dict(n_buckets=dp * cp, microbatches=M, cap=cap, level="lockstep", span=span, cp=cp)
+    kk = _layout_lockstep(costs, place(costs, tokens, method="karmarkar_karp", **kw), dp * cp)
+    lpt = _layout_lockstep(costs, place(costs, tokens, method="greedy", **kw), dp * cp)
+    assert kk <= (1 + FALLBACK_SLACK) * lpt * (1 + 1e-12), (kk, lpt)
+
+
 def test_karmarkar_karp_falls_back_to_the_cheaper_whole_step_layout(monkeypatch):
     """Without the fallback, differencing loses to LPT on some heavy-tailed steps (its per-problem
     balance is not the lockstep cost); with it, place() hands back LPT's layout on exactly those."""
