@@ -220,8 +220,9 @@ def _differencing(p: BinProblem, order: np.ndarray, per_row: int) -> BinAssignme
     bin_of_slot = np.empty(n_bins, np.int64)
     anchor = np.asarray(final[0][:k], np.int64)
     bin_of_slot[anchor] = np.arange(k)                     # original bins keep their numbers
-    opened = np.setdiff1d(np.arange(n_bins), anchor)
-    bin_of_slot[opened] = np.arange(k, n_bins)             # opened bins are numbered after them
+    if n_bins > k:
+        opened = np.setdiff1d(np.arange(n_bins), anchor)
+        bin_of_slot[opened] = np.arange(k, n_bins)         # opened bins are numbered after them
     slots = np.array([final[r + 1][:k] for r in range(rows)], np.int64).reshape(rows, k)
     members = grid < n
     bins = np.empty(n, np.int64)

@@ -175,7 +175,8 @@ def place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatches
     kw = dict(n_buckets=n_buckets, microbatches=microbatches, cap=cap, level=level, equal_counts=equal_counts,
               groups=groups, span=span, cp=cp)
     used: set[str] = set()
-    pl = _place(costs, tokens, method=method, used=used, **kw)
+    spans: dict = {}
+    pl = _place(costs, tokens, method=method, used=used, used_spans=spans, **kw)
     fallback = FALLBACK.get(method)
     if fallback is None or (groups is not None and len(groups) > 1) or not len(pl.item) or used <= {fallback}:
         return pl                 # (every answer the method gave was the fallback's: the same layout)
@@ -185,7 +186,7 @@ def place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatches
     if lock <= (1 + FALLBACK_SLACK) * lockstep_lower_bound(cost, n_buckets, tok, cap):
         return pl
     try:
-        other = _place(costs, tokens, method=fallback, used=set(), **kw)
+        other = _place(costs, tokens, method=fallback, used=set(), used_spans=spans, **kw)
     except ConfigError:           # the fallback found no layout: the method's stands
         return pl
     return other if _lockstep(other, costs, tokens, n_buckets)[1] < lock else pl
@@ -204,9 +205,11 @@ def _lockstep(pl: Placement, costs: np.ndarray, tokens: np.ndarray, n_buckets: i
 def _place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatches: int, method: str,
            cap: int | None, level: str = "both", equal_counts: bool = False,
            groups: list[list[int]] | None = None, span: np.ndarray | None = None, cp: int = 1,
-           used: set) -> Placement:
+           used: set, used_spans: dict | None = None) -> Placement:
     """:func:`place` with ``method`` alone; adds to ``used`` the method behind every balancer answer
-    (``BinAssignment.by``, else ``method``)."""
+    (``BinAssignment.by``, else ``method``). ``used_spans`` keeps the placement of the sequences
+    spanning CP ranks (method-independent) for another call on the same items."""
+    used_spans = {} if used_spans is None else used_spans
     if level not in LEVELS:
         raise ConfigError(f"unknown balance level {level!r}; choose one of {LEVELS}")
     n = len(costs)
@@ -240,7 +243,9 @@ def _place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatche
     else:
         loads = tl = None
         if spanned.any():
-            entries, loads, tl = _place_spans(costs, tokens, span, n_buckets, cp, m, cap)
+            if "spans" not in used_spans:      # the same for every method: placed once per place()
+                used_spans["spans"] = _place_spans(costs, tokens, span, n_buckets, cp, m, cap)
+            entries, loads, tl = used_spans["spans"]
             m = loads.shape[0]
             loads, tl = loads.ravel(), tl.ravel()
         short = np.flatnonzero(~spanned)
