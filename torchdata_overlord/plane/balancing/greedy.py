@@ -3,6 +3,9 @@
 With an item-count cap ``c``, at most ``n - (c - 1) * n_bins`` bins may reach ``c`` items and the
 others stop at ``c - 1``, so that the tight cap ``ceil(n / n_bins)`` of ``equal_counts`` gives
 every bin ``floor`` or ``ceil`` of ``n / n_bins`` items (LPT alone can leave a bin short).
+
+Without caps and with at least ``BATCH_BINS`` bins, whole rounds of items are placed at once with
+numpy (:func:`_rounds`), to the same bins as the one-item-at-a-time heap.
 """
 
 from __future__ import annotations
@@ -17,6 +20,52 @@ from .problem import BinAssignment, BinProblem, register_balancer
 __all__ = ["greedy"]
 
 
+BATCH_BINS = 32      # from this many bins, uncapped LPT places whole rounds with numpy (see _rounds)
+FEW = 8              # a round placing fewer items than this hands the next n_bins items to the heap
+
+
+def _rounds(costs: np.ndarray, loads: np.ndarray, k: int) -> np.ndarray:
+    """Uncapped LPT of ``costs`` (largest first) onto bins of initial ``loads``: the bin of every item,
+    exactly as the heap of (load, bin) pairs gives it, ties included.
+
+    A round takes the next ``k`` items and the bins in (load, bin) order: item j goes to the j-th
+    bin while that bin still precedes every bin the round has already raised (item j's heap minimum
+    is then the j-th untouched bin), i.e. while ``min_{t<j} (load_t + cost_t) > load_j``; an equality
+    stops the round too, the bin numbers then deciding. The first item always goes to the first bin,
+    so every round places at least one item; a round that places fewer than ``FEW`` gives the next
+    ``k`` items to the heap instead (heavy items climbing past several bins at once).
+    """
+    n = len(costs)
+    out = np.empty(n, np.int64)
+    loads = np.asarray(loads, np.float64).copy()
+    ids = np.arange(k)
+    i = 0
+    while i < n:
+        perm = np.lexsort((ids, loads))
+        r = min(k, n - i)
+        first = perm[:r]
+        old = loads[first]
+        new = old + costs[i:i + r]
+        stop = np.flatnonzero(np.minimum.accumulate(new)[:-1] <= old[1:])
+        j = r if not len(stop) else int(stop[0]) + 1
+        if j < FEW and n - i > FEW:
+            heap = list(zip(loads.tolist(), range(k)))
+            heapq.heapify(heap)
+            end = min(n, i + k)
+            for m, c in enumerate(costs[i:end].tolist(), i):
+                load, b = heap[0]
+                heapq.heapreplace(heap, (load + c, b))
+                out[m] = b
+            for load, b in heap:
+                loads[b] = load
+            i = end
+            continue
+        out[i:i + j] = first[:j]
+        loads[first[:j]] = new[:j]
+        i += j
+    return out
+
+
 @register_balancer("greedy")
 def greedy(p: BinProblem) -> BinAssignment:
     n = len(p.costs)
@@ -27,11 +76,15 @@ def greedy(p: BinProblem) -> BinAssignment:
     heap = list(zip(loads.tolist(), range(p.n_bins)))
     heapq.heapify(heap)
     n_bins = p.n_bins
-    if p.cap is None and p.count_cap is None:
-        for i, c in enumerate(costs):              # the hot path: one heap operation per item
+    if p.cap is None and p.count_cap is None and n_bins >= BATCH_BINS:
+        out = _rounds(p.costs[order], loads, n_bins)
+    elif p.cap is None and p.count_cap is None:
+        out = []                                   # the hot path: one heap operation per item
+        put, replace = out.append, heapq.heapreplace
+        for c in costs:
             load, b = heap[0]
-            heapq.heapreplace(heap, (load + c, b))
-            out[i] = b
+            replace(heap, (load + c, b))
+            put(b)
     else:
         cap = float("inf") if p.cap is None else p.cap
         count_cap = n + 1 if p.count_cap is None else p.count_cap

@@ -15,8 +15,12 @@ forced equal item counts per bin and lost to greedy on heavy tails: per-bin max/
 at 65,536 items x 4,096 bins; 131,072 samples over 8 buckets took 0.62 s, 6.4 s from singletons.)
 Under a count cap (``equal_counts``) items still start in rows of ``k``: that balanced-size
 variant gives every bin exactly one item per row. Differencing balances spreads, which is not always
-what the caller scores (``BinProblem.score``: a lockstep sum of row maxima, initial loads to fill),
-so LPT's answer is returned instead whenever it scores lower.
+what the plan is judged by (a lockstep sum over microbatch index of the max over ranks): ``place``
+(``layout.FALLBACK``) also lays the whole step out with LPT, unless this method's layout is within
+``layout.FALLBACK_SLACK`` of the lower bound or every answer it gave was LPT's, and keeps the cheaper
+layout. This function itself does not compare itself with LPT: it hands back LPT's whole answer
+(marked ``by="greedy"``) only where differencing would not change it (each of the largest items
+starting a bin of its own) or where differencing finds no room under the token cap.
 
 A token cap is honoured inside each merge: a pairing that would overflow a bin is repaired by
 swapping partners; when no swap fits, ``grow`` empty bins are opened in every partition.
@@ -108,28 +112,25 @@ def karmarkar_karp(p: BinProblem) -> BinAssignment:
         # rows of k under a count cap: the balanced-size variant, one item per bin per row
         return _in_order(_differencing(p, order, k), order)
     try:
-        lpt = greedy(p)
-    except ConfigError:       # LPT found no room under the cap; differencing may still
-        lpt = None
-    try:
-        out = _kk(p, order, head, lpt)
-    except ConfigError:
-        if lpt is None:
-            raise
-        return lpt
-    # differencing balances spreads, not always what the caller scores (a lockstep sum, initial loads
-    # to fill): never hand back worse than LPT's answer
-    return lpt if lpt is not None and p.judge(lpt) < p.judge(out) else out
+        return _kk(p, order, head)
+    except ConfigError:       # differencing found no room under the cap (and may not grow): LPT may
+        return _lpt(p)
 
 
-def _kk(p: BinProblem, order: np.ndarray, head: int, lpt: BinAssignment | None) -> BinAssignment:
-    """Differencing from singletons of the ``head`` largest items, LPT for the rest (``lpt``: LPT's
-    answer for all of them, if it found one)."""
+def _lpt(p: BinProblem) -> BinAssignment:
+    """LPT's answer, marked as greedy's (``BinAssignment.by``)."""
+    out = greedy(p)
+    out.by = "greedy"
+    return out
+
+
+def _kk(p: BinProblem, order: np.ndarray, head: int) -> BinAssignment:
+    """Differencing from singletons of the ``head`` largest items, LPT for the rest."""
     n, k = len(order), p.n_bins
     if head >= n:
         out = _in_order(_differencing(p, order, 1), order)
-    elif head <= k and p.cap is None and p.loads is None and lpt is not None:
-        out = lpt             # each of the head items would start a bin of its own: LPT's answer
+    elif head <= k and p.cap is None and p.loads is None:
+        out = _lpt(p)         # each of the head items would start a bin of its own: LPT's answer
     else:
         # the largest items by differencing from singletons, the rest by LPT onto the loads they left
         first, rest = order[:head], order[head:]
@@ -173,7 +174,7 @@ def _differencing(p: BinProblem, order: np.ndarray, per_row: int) -> BinAssignme
     # anchor's slots down the merge tree tells which final slot each original bin became.
     ops = _LIST_OPS if _small(k) else _NUMPY_OPS
     sums = [ops.vec(loads)] + ops.rows(cost_of[grid])
-    toks = [ops.vec(tload)] + ops.rows(tok_of[grid])
+    toks = [ops.vec(tload)] + ops.rows(tok_of[grid]) if p.cap is not None else [None] * (rows + 1)
     width = [k] * (rows + 1)                 # slots each partition had when it was last touched
     heap = [(-ops.spread(s_), i) for i, s_ in enumerate(sums)]
     heapq.heapify(heap)
@@ -203,7 +204,8 @@ def _differencing(p: BinProblem, order: np.ndarray, per_row: int) -> BinAssignme
         new = ops.add(ops.take(sums[a], ord_a), ops.take(sums[b], ord_b))
         parent = len(sums)
         sums.append(new)
-        toks.append(ops.add(ops.take(toks[a], ord_a), ops.take(toks[b], ord_b)))
+        # token sums matter only under a cap
+        toks.append(None if cap is None else ops.add(ops.take(toks[a], ord_a), ops.take(toks[b], ord_b)))
         width.append(n_bins)
         merges.append((a, b, parent, ops.inverse(ord_a), ops.inverse(ord_b)))
         sums[a] = sums[b] = toks[a] = toks[b] = None      # free memory as we go
@@ -218,8 +220,9 @@ def _differencing(p: BinProblem, order: np.ndarray, per_row: int) -> BinAssignme
     bin_of_slot = np.empty(n_bins, np.int64)
     anchor = np.asarray(final[0][:k], np.int64)
     bin_of_slot[anchor] = np.arange(k)                     # original bins keep their numbers
-    opened = np.setdiff1d(np.arange(n_bins), anchor)
-    bin_of_slot[opened] = np.arange(k, n_bins)             # opened bins are numbered after them
+    if n_bins > k:
+        opened = np.setdiff1d(np.arange(n_bins), anchor)
+        bin_of_slot[opened] = np.arange(k, n_bins)         # opened bins are numbered after them
     slots = np.array([final[r + 1][:k] for r in range(rows)], np.int64).reshape(rows, k)
     members = grid < n
     bins = np.empty(n, np.int64)

@@ -20,12 +20,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import ConfigError
+from .bound import lockstep_lower_bound
 from .problem import BinProblem, run_balancer
 
 __all__ = ["Placement", "place", "LEVELS"]
 
 LEVELS = ("both", "bucket", "microbatch", "lockstep")
 ARRIVAL = "arrival"
+# methods whose layout place() compares with another method's on the whole step's lockstep cost
+FALLBACK = {"karmarkar_karp": "greedy"}
+FALLBACK_SLACK = 1e-3    # no fallback run when the method's lockstep is within this of the lower bound
 
 
 @dataclass
@@ -64,13 +68,15 @@ def _fill_microbatches(bucket: np.ndarray, tokens: np.ndarray, n_buckets: int, m
     return mb
 
 
-def _per_bucket(method, costs, tokens, bucket, n_buckets, m, cap) -> np.ndarray:
+def _per_bucket(method, costs, tokens, bucket, n_buckets, m, cap, used: set) -> np.ndarray:
     """Balance microbatches inside each bucket separately (may open microbatches per bucket)."""
     mb = np.zeros(len(costs), np.int64)
-    for b in range(n_buckets):
-        idx = np.flatnonzero(bucket == b)
+    by_bucket = np.argsort(bucket, kind="stable")       # each bucket's items, in arrival order
+    counts = np.bincount(bucket, minlength=n_buckets)
+    for b, idx in enumerate(np.split(by_bucket, np.cumsum(counts)[:-1])):
         if len(idx):
             res = run_balancer(method, BinProblem(costs[idx], tokens[idx], m, cap=cap, grow=1))
+            used.add(res.by or method)
             mb[idx] = res.bins
     return mb
 
@@ -79,7 +85,8 @@ def _lpt_rounds(costs, tokens, bucket, n_buckets: int, m: int, cap) -> np.ndarra
     """Greedy (LPT) inside every bucket at once: round r places each bucket's r-th largest item
     in that bucket's least-loaded microbatch that fits, opening a microbatch when none does."""
     n = len(costs)
-    order = np.lexsort((-costs, bucket))
+    order = np.argsort(-costs, kind="stable")
+    order = order[np.argsort(bucket[order], kind="stable")]   # by bucket, then largest first (= lexsort)
     counts = np.bincount(bucket, minlength=n_buckets)
     starts = np.cumsum(counts) - counts
     rank = np.empty(n, np.int64)
@@ -107,13 +114,13 @@ def _lpt_rounds(costs, tokens, bucket, n_buckets: int, m: int, cap) -> np.ndarra
     return mb
 
 
-def _within_buckets(method, costs, tokens, bucket, n_buckets: int, m: int, cap) -> np.ndarray:
+def _within_buckets(method, costs, tokens, bucket, n_buckets: int, m: int, cap, used: set) -> np.ndarray:
     """Balance microbatches inside each bucket: with the method, bucket by bucket, when buckets are
     few and full; with vectorised LPT across all buckets when they are many and small (where one
     method call per bucket would cost more than the balancing itself)."""
     per_bucket = len(costs) / max(n_buckets, 1)
     if per_bucket > n_buckets:
-        return _per_bucket(method, costs, tokens, bucket, n_buckets, m, cap)
+        return _per_bucket(method, costs, tokens, bucket, n_buckets, m, cap, used)
     return _lpt_rounds(costs, tokens, bucket, n_buckets, m, cap)
 
 
@@ -156,7 +163,53 @@ def _place_spans(costs, tokens, span, n_buckets, cp, m, cap):
 def place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatches: int, method: str,
           cap: int | None, level: str = "both", equal_counts: bool = False,
           groups: list[list[int]] | None = None, span: np.ndarray | None = None, cp: int = 1) -> Placement:
-    """Assign every item to a bucket and a microbatch (see the module docstring)."""
+    """Assign every item to a bucket and a microbatch (see the module docstring).
+
+    A method with a ``FALLBACK`` (``karmarkar_karp``: ``greedy``) is judged on the figure the plan
+    reports, the lockstep cost of the whole step (sum over microbatch index of the max over buckets):
+    unless its layout is within ``1 + FALLBACK_SLACK`` of the lower bound (which no layout beats), the
+    fallback lays the step out too and the cheaper of the two is kept, the method's on a tie. So its
+    lockstep cost is at most ``1 + FALLBACK_SLACK`` times the fallback's. With bucket ``groups`` this
+    holds inside every group (each is placed by a call of its own).
+    """
+    kw = dict(n_buckets=n_buckets, microbatches=microbatches, cap=cap, level=level, equal_counts=equal_counts,
+              groups=groups, span=span, cp=cp)
+    used: set[str] = set()
+    spans: dict = {}
+    pl = _place(costs, tokens, method=method, used=used, used_spans=spans, **kw)
+    fallback = FALLBACK.get(method)
+    if fallback is None or (groups is not None and len(groups) > 1) or not len(pl.item) or used <= {fallback}:
+        return pl                 # (every answer the method gave was the fallback's: the same layout)
+    costs = np.asarray(costs, np.float64)
+    tokens = np.asarray(tokens, np.int64)
+    (cost, tok), lock = _lockstep(pl, costs, tokens, n_buckets)
+    if lock <= (1 + FALLBACK_SLACK) * lockstep_lower_bound(cost, n_buckets, tok, cap):
+        return pl
+    try:
+        other = _place(costs, tokens, method=fallback, used=set(), used_spans=spans, **kw)
+    except ConfigError:           # the fallback found no layout: the method's stands
+        return pl
+    return other if _lockstep(other, costs, tokens, n_buckets)[1] < lock else pl
+
+
+def _lockstep(pl: Placement, costs: np.ndarray, tokens: np.ndarray, n_buckets: int):
+    """((entry costs, entry tokens), lockstep cost) of a placement: an item spanning k CP ranks puts
+    ``cost / k`` and a zig-zag shard of ``2 * ceil(tokens / 2k)`` tokens on each."""
+    k = pl.nshards
+    cost = costs[pl.item] / k
+    tok = np.where(k > 1, 2 * -(-tokens[pl.item] // (2 * k)), tokens[pl.item])
+    loads = np.bincount(pl.mb * n_buckets + pl.bucket, weights=cost, minlength=pl.n_microbatches * n_buckets)
+    return (cost, tok), float(loads.reshape(-1, n_buckets).max(1).sum())
+
+
+def _place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatches: int, method: str,
+           cap: int | None, level: str = "both", equal_counts: bool = False,
+           groups: list[list[int]] | None = None, span: np.ndarray | None = None, cp: int = 1,
+           used: set, used_spans: dict | None = None) -> Placement:
+    """:func:`place` with ``method`` alone; adds to ``used`` the method behind every balancer answer
+    (``BinAssignment.by``, else ``method``). ``used_spans`` keeps the placement of the sequences
+    spanning CP ranks (method-independent) for another call on the same items."""
+    used_spans = {} if used_spans is None else used_spans
     if level not in LEVELS:
         raise ConfigError(f"unknown balance level {level!r}; choose one of {LEVELS}")
     n = len(costs)
@@ -177,18 +230,22 @@ def place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatches
         mb = _fill_microbatches(bucket, tokens, n_buckets, m, cap)
     elif level in ("bucket", "both"):
         count_cap = math.ceil(n / n_buckets) if equal_counts else None
-        bucket = run_balancer(method, BinProblem(costs, tokens, n_buckets, count_cap=count_cap)).bins
+        res = run_balancer(method, BinProblem(costs, tokens, n_buckets, count_cap=count_cap))
+        used.add(res.by or method)
+        bucket = res.bins
         if level == "bucket":
             mb = _fill_microbatches(bucket, tokens, n_buckets, m, cap)
         else:
-            mb = _within_buckets(method, costs, tokens, bucket, n_buckets, m, cap)
+            mb = _within_buckets(method, costs, tokens, bucket, n_buckets, m, cap, used)
     elif level == "microbatch":
         bucket = _arrival_buckets(n, n_buckets)
-        mb = _within_buckets(method, costs, tokens, bucket, n_buckets, m, cap)
+        mb = _within_buckets(method, costs, tokens, bucket, n_buckets, m, cap, used)
     else:
         loads = tl = None
         if spanned.any():
-            entries, loads, tl = _place_spans(costs, tokens, span, n_buckets, cp, m, cap)
+            if "spans" not in used_spans:      # the same for every method: placed once per place()
+                used_spans["spans"] = _place_spans(costs, tokens, span, n_buckets, cp, m, cap)
+            entries, loads, tl = used_spans["spans"]
             m = loads.shape[0]
             loads, tl = loads.ravel(), tl.ravel()
         short = np.flatnonzero(~spanned)
@@ -196,6 +253,7 @@ def place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatches
         score = _row_max_sum(n_buckets) if spanned.any() else _sorted_row_max_sum(n_buckets)
         res = run_balancer(method, BinProblem(costs[short], tokens[short], n_buckets * m, cap=cap,
                                               loads=loads, token_loads=tl, grow=n_buckets, score=score))
+        used.add(res.by or method)
         bins = res.bins if spanned.any() else _interleave(costs[short], res.bins, n_buckets, res.n_bins)
         bucket = np.full(n, -1, np.int64)
         mb = np.full(n, -1, np.int64)

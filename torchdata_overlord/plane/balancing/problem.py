@@ -51,6 +51,9 @@ class BinProblem:
 class BinAssignment:
     bins: np.ndarray   # (n,) int64 bin of every item
     n_bins: int        # bins in use after any growth (>= the problem's n_bins)
+    # the registered method whose answer this is, when a method hands back another's unchanged
+    # (``place`` then knows that method's layout without computing it again)
+    by: str | None = None
 
 
 Balancer = Callable[[BinProblem], "BinAssignment | np.ndarray"]
@@ -108,4 +111,4 @@ def run_balancer(name: str, problem: BinProblem) -> BinAssignment:
         raise ConfigError(f"balancer {name!r} put {int(tok[b])} tokens in bin {b}, over max_tokens={problem.cap}")
     if problem.count_cap is not None and n and np.bincount(bins).max() > problem.count_cap:
         raise ConfigError(f"balancer {name!r} put more than {problem.count_cap} items in one bin (equal_counts)")
-    return BinAssignment(bins, out.n_bins)
+    return BinAssignment(bins, out.n_bins, out.by)
