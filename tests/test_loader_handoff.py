@@ -1,6 +1,7 @@
 """The hand-over of a ready step (issue 15, item 3): ``next()`` takes what a background thread packaged,
 waits on nothing, and what it lets go of is freed off the trainer's thread; the stream is unchanged."""
 
+import os
 import threading
 import time
 
@@ -86,3 +87,16 @@ def test_a_step_not_packaged_in_the_background_is_packaged_by_next(corpus, expec
         got = [item for _, item in zip(range(4), loader)]
         assert all(getattr(f, loader._BUILT, None) is None for f in list(loader._ahead))
     assert_identical(got, expected[:4])
+
+
+def test_the_producer_thread_does_not_preempt_the_trainer_when_woken(corpus):  # noqa: F811
+    """next() wakes the producer with each slot: the producer runs under SCHED_BATCH (Linux), whose
+    wake-ups do not preempt the waker; the trainer's own policy is untouched."""
+    before = os.sched_getscheduler(0)
+    with make_loader(corpus, "dp", MESH, prefetch=2) as loader:
+        it = iter(loader)
+        next(it)
+        producer = loader._thread
+        wait_for(lambda: os.sched_getscheduler(producer.native_id) == os.SCHED_BATCH)
+        assert os.sched_getscheduler(0) == before
+        next(it)
