@@ -150,9 +150,12 @@ def runtimes_table(data: dict) -> list[str]:
         lines += ["", "*Ready step*: `next()` when the step was built before the call (target p50 <= 0.1 ms). *Floor*: "
                       "the same model step followed by Python of `next()`'s size that touches no loader: what the "
                       "first bytecodes after a model step cost on this machine (cold caches), the part of a ready "
-                      "`next()` no loader can remove. A ready `next()` above the floor waited for the GIL held by the "
-                      "loader's background threads (local: the prefetch thread building later steps; rpc: the RPC "
-                      "threads unpickling replies)."]
+                      "`next()` no loader can remove. A ready step is packaged before `next()` asks for it (on the thread "
+                      "that answered it), so a ready `next()` only takes it and gives the prefetch thread its slot "
+                      "(a wake-up that does not preempt the trainer: that thread runs under SCHED_BATCH); above the "
+                      "floor: the trainer switched out for another process on a busy machine, or waiting for the GIL "
+                      "held by a background thread (rpc: the RPC threads unpickling replies; the prefetch thread "
+                      "submitting the next step)."]
     sweep = runs.get("local", {}).get("prefetch_sweep")
     if sweep:
         lines += ["", "Local runtime, `next()` wait by prefetch (the first model step size; per microbatch = per "

@@ -2,8 +2,10 @@
 
 Iterating yields, per training step, what this rank receives: its microbatches as dicts of
 tensors (or metadata only, or nothing, as the plan says). A background thread prefetches
-``prefetch`` steps (``prefetch=0``: no thread, each ``next()`` builds its own step); a failed step
-reaches the trainer as its exception, never as the end of the stream. ``state_dict()`` describes
+``prefetch`` steps (``prefetch=0``: no thread, each ``next()`` builds its own step); each step is
+packaged (and pinned) as soon as it is answered, on the thread that answered it, so ``next()`` of a
+ready step only takes it (it waits on no future, Condition or thread); a failed step reaches the trainer
+as its exception, never as the end of the stream. ``state_dict()`` describes
 what the trainer has *consumed*, not what was prefetched, holds only plain Python types, is cheap
 and side-effect free; ``load_state_dict()`` checks its input as a whole (see
 :mod:`~torchdata_overlord.loader_state`), copies it and applies it at the next ``iter()``, which
@@ -16,6 +18,7 @@ import collections
 import concurrent.futures as cf
 import copy
 import logging
+import os
 import queue
 import threading
 import time
@@ -50,6 +53,19 @@ def _failed(e: BaseException) -> cf.Future:
     fut: cf.Future = cf.Future()
     fut.set_exception(e)
     return fut
+
+
+def _no_wakeup_preemption() -> None:
+    """Run the calling thread under Linux's ``SCHED_BATCH``: the same share of the CPU as before, but
+    waking it does not preempt the thread that woke it (it runs on an idle core, or at the waker's
+    next tick or wait). ``next()`` wakes the producer with each slot it gives back; without this, on
+    a busy machine the scheduler often switched the trainer out for it inside ``next()`` (involuntary
+    context switches of the trainer there, measured), and the trainer then waited for the CPU. Threads
+    this one starts inherit the policy. A no-op where unsupported."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
 
 
 def _pin(x):
@@ -233,10 +249,14 @@ class OverlordLoader:
     def _produce(self, stop: threading.Event, out: queue.SimpleQueue, slots: queue.SimpleQueue,
                  ahead: collections.deque) -> None:
         """Submit steps ahead of the trainer (at most ``prefetch`` not yet consumed); the queue holds
-        each step's future in order (LocalJob computes it here, RpcJob's roles compute it remotely).
+        each step's future in order (LocalJob computes it here, RpcJob's roles compute it remotely;
+        :meth:`_prepare` packages it once answered). Each slot token ``next()`` gives back carries the
+        records that step replaced, so freeing them happens here, not on the trainer's thread; the
+        wake-up itself does not preempt the trainer (:func:`_no_wakeup_preemption`).
         The last item this thread queues is a failed step's future or ``_END`` (stopped), so the
         trainer never has to guess from the thread's liveness why nothing more comes."""
         ranks = None if self.rank is None else [self.rank]
+        _no_wakeup_preemption()
         try:
             while not stop.is_set():
                 try:
@@ -250,6 +270,7 @@ class OverlordLoader:
                         fut = self._job.submit(ranks, consumed=self._consumed[self.K_STEP])
                 except BaseException as e:  # noqa: BLE001 (handed to the trainer thread, re-raised there)
                     fut = _failed(e)
+                fut.add_done_callback(self._prepare)     # packaged off the trainer's thread, once answered
                 ahead.append(fut)
                 out.put(fut)
                 if fut.done() and fut.exception() is not None:
@@ -282,31 +303,53 @@ class OverlordLoader:
                                     "while next() waited; call iter() to continue from the consumed step")
             if self._ahead and self._ahead[0] is fut:
                 self._ahead.popleft()
-        ready = fut.done()
-        while True:
-            try:
-                res = fut.result(timeout=0.1)
-                break
-            except cf.TimeoutError:
-                self._check_timeout(t0)
-            except SourceExhausted as e:
-                self.exhausted_reason = str(e)
-                log.info("OverlordLoader: %s", e)
-                self._end()
-                raise StopIteration from None
-            except Exception:               # the step failed: the stream stops here (an interrupt is not caught)
-                self._end()
-                raise
-        if self.prefetch:
-            self._slots.put(None)
+        built = getattr(fut, self._BUILT, None)   # a ready step: answered, unpickled and packaged already
+        if built is not None:
+            res, item = built
+            ready = True
+        else:
+            ready = fut.done()
+            while True:
+                try:
+                    res = fut.result(timeout=0.1)
+                    break
+                except cf.TimeoutError:
+                    self._check_timeout(t0)
+                except SourceExhausted as e:
+                    self.exhausted_reason = str(e)
+                    log.info("OverlordLoader: %s", e)
+                    self._end()
+                    raise StopIteration from None
+                except Exception:           # the step failed: the stream stops here (an interrupt is not caught)
+                    self._end()
+                    raise
+            item = self._package(res.step, res.outputs)
         self._waits.append(time.perf_counter() - t0)
         if not ready and getattr(fut, "delayed", False):
             self.stalls += 1               # the trainer waited for a step a failure had delayed
+        released = (self._consumed, self.last_plan)        # the step this one replaces
         self._consumed = {self.K_STEP: res.step + 1, self.K_JOB: res.state}
-        planned = JobState.step(res.state)
-        self._feedback = [f for f in self._feedback if f[0] >= planned]   # the rest is in the snapshot
+        if self._feedback:
+            planned = JobState.step(res.state)
+            self._feedback = [f for f in self._feedback if f[0] >= planned]   # the rest is in the snapshot
         self.last_plan = res.plan
-        return self._package(res.step, res.outputs)
+        if self.prefetch:
+            self._slots.put(released)      # the producer may build one more, and drops `released` there
+        return item
+
+    _BUILT = "overlord_built"              # a step future's (StepResult, item), set by _prepare
+
+    def _prepare(self, fut: cf.Future) -> None:
+        """A step's future completed (on whichever thread completed it: an actor's, an RPC callback's, the
+        producer's): package its item now, so that ``next()`` of a ready step only takes it. A failed
+        step is left to ``next()``, which raises its exception."""
+        try:
+            if fut.cancelled() or fut.exception() is not None:
+                return
+            res = fut.result()
+            setattr(fut, self._BUILT, (res, self._package(res.step, res.outputs)))
+        except Exception:  # noqa: BLE001 (next() packages it itself and raises what that raises)
+            log.debug("OverlordLoader: packaging step off the trainer's thread failed", exc_info=True)
 
     def __len__(self) -> int:
         raise TypeError("an OverlordLoader has no len(): sources with epochs=None repeat forever, and with finite "
