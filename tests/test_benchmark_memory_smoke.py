@@ -98,3 +98,27 @@ def check_size(z: dict, batch: int) -> None:
             assert r["ratio"][k] == pytest.approx(r["colocated_mib"][k] / r["library_mib"][k], abs=0.01)
     assert {(c["dp"], c["workers"], c["cp"], c["pp"]) for c in z["crossover"]} == \
         {(d, w, cp, pp) for d, w in cfg["dw"] for cp, pp in cfg["cp_pp"]}
+
+
+@pytest.mark.parametrize("free_gib, fits", [(3.8, True), (0.0001, False)])
+def test_corpus_fits_a_small_disk_and_names_the_root_when_it_does_not(tmp_path, monkeypatch, free_gib, fits):
+    """The benchmarks' corpus leaves 4 GiB free, or half a small disk: CI's disk had 3.8 GiB free and a
+    fixed 4 GiB margin refused a 256 KiB corpus. A disk that truly cannot hold it is named, with --root."""
+    import collections
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import memory
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(8 << 30, 0, int(free_gib * 2**30)))
+    root = tmp_path / "corpus"
+    if fits:
+        manifest = memory.build_corpus(root, 2, 64 / 1024, 2, 2)
+        assert len(manifest["files"]) == 2 and all(Path(root, f).is_file() for fs in manifest["files"] for f in fs)
+    else:
+        import re
+        with pytest.raises(RuntimeError, match=re.escape(str(tmp_path)) + r": 2 row groups of 64 KiB do not fit .*"
+                                               r"pass another --root"):
+            memory.build_corpus(root, 2, 64 / 1024, 2, 2)
