@@ -110,11 +110,9 @@ def test_new_actors_warming_do_not_block_the_steps(corpus, placement, reference,
         assert not [r for r in planner_stats(job)["reshards"] if r["source"] == "caps"]
         assert job.planner.roles().result(WAIT)["parts"]["caps"] == 1
         gate.open()
-        while caps_pending(job) is not None and k < STEPS:
-            assert planner.resharding.wait(WAIT), "the new actors did not finish their round"
-            assert_identical(job.step().outputs, reference[k])
-            k += 1
-        while k < STEPS:
+        while k < STEPS:                    # every pending round answered before each step (a later reshard
+            if caps_pending(job) is not None:    # too), so where each one switches does not depend on timing
+                assert planner.resharding.wait(WAIT), "the new actors did not finish their round"
             assert_identical(job.step().outputs, reference[k])
             k += 1
         stats = planner_stats(job)
