@@ -24,6 +24,17 @@ BATCH_BINS = 32      # from this many bins, uncapped LPT places whole rounds wit
 FEW = 8              # a round placing fewer items than this hands the next n_bins items to the heap
 
 
+def _heap_lpt(costs: list, heap: list) -> list:
+    """Each item in turn to the least-loaded ``(load, bin)`` of ``heap`` (updated in place): its bins."""
+    out = []
+    put, replace = out.append, heapq.heapreplace
+    for c in costs:
+        load, b = heap[0]
+        replace(heap, (load + c, b))
+        put(b)
+    return out
+
+
 def _rounds(costs: np.ndarray, loads: np.ndarray, k: int) -> np.ndarray:
     """Uncapped LPT of ``costs`` (largest first) onto bins of initial ``loads``: the bin of every item,
     exactly as the heap of (load, bin) pairs gives it, ties included.
@@ -52,10 +63,7 @@ def _rounds(costs: np.ndarray, loads: np.ndarray, k: int) -> np.ndarray:
             heap = list(zip(loads.tolist(), range(k)))
             heapq.heapify(heap)
             end = min(n, i + k)
-            for m, c in enumerate(costs[i:end].tolist(), i):
-                load, b = heap[0]
-                heapq.heapreplace(heap, (load + c, b))
-                out[m] = b
+            out[i:end] = _heap_lpt(costs[i:end].tolist(), heap)
             for load, b in heap:
                 loads[b] = load
             i = end
@@ -79,12 +87,7 @@ def greedy(p: BinProblem) -> BinAssignment:
     if p.cap is None and p.count_cap is None and n_bins >= BATCH_BINS:
         out = _rounds(p.costs[order], loads, n_bins)
     elif p.cap is None and p.count_cap is None:
-        out = []                                   # the hot path: one heap operation per item
-        put, replace = out.append, heapq.heapreplace
-        for c in costs:
-            load, b = heap[0]
-            replace(heap, (load + c, b))
-            put(b)
+        out = _heap_lpt(costs, heap)               # the hot path: one heap operation per item
     else:
         cap = float("inf") if p.cap is None else p.cap
         count_cap = n + 1 if p.count_cap is None else p.count_cap
