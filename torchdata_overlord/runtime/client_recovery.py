@@ -68,7 +68,9 @@ def start_planner(transport, cfg, name: str, index: dict[str, int], dead: set[st
     says is dead; returns its worker."""
     spares = list(index)
     if not spares or cfg.checkpoint_dir is None:
-        raise RoleLost("the Planner failed and cannot be replaced: give the job spares= and checkpoint_dir=")
+        raise RoleLost("the Planner failed and cannot be replaced: give the job spare processes and a checkpoint "
+                       "directory (OverlordLoader(..., spares=1, fault_tolerance=FaultTolerance(checkpoint_dir=...)); "
+                       "a launched job: --spares-per-node and checkpoint_dir in its config)")
     newest = cfg.store().latest(PLANNER_KEY)
     roles = newest[1]["roles"] if newest is not None else {}
     dead = set(dead) | set(roles.get("dead_spares", []))
