@@ -487,28 +487,36 @@ def elastic_table(data: dict) -> list[str]:
 
 def transport_table(data: dict) -> list[str]:
     m, c, v = data["machine"], data["config"], data.get("verdict") or {}
+    t = data["table"]
+    paths = [p for p in ("socket", "shm", "lane") if p in t]
     lines = [f"**Transport** (`python benchmarks/transport.py`, {data['date']}, {m['cores']} cores, load "
              f"{m.get('load_avg_1m_at_start', '?')} -> {m['load_avg_1m']}): the loader -> constructor hand-off alone, "
              f"per sample, between two role processes of one host; a put of {c['samples']} samples to each of 2 "
              f"constructors, then both answers (hand-off), or {c['window']} puts in flight (stream); medians of "
-             f"{c['rounds']} interleaved rounds. *socket*: the wire buffer through loopback TCP (before); *shm*: "
-             f"written into the sender's shared memory, a handle over RPC (the default on one host).", "",
-             "| KiB per sample | in process | socket hand-off | shm hand-off | socket stream | shm stream | "
-             "socket CPU | shm CPU |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    t = data["table"]
+             f"{c['rounds']} interleaved rounds. *socket*: the wire buffer through TensorPipe's loopback TCP; *shm*: "
+             f"written into the sender's shared memory, a handle over TensorPipe"
+             + ("; *lane*: the buffer in shared memory, the call on a Unix socket (`runtime/lane.py`, the default "
+                "on one host)." if "lane" in t else " (the default on one host)."), "",
+             "| KiB per sample | in process | " + " | ".join(f"{p} hand-off" for p in paths) + " | "
+             + " | ".join(f"{p} stream" for p in paths) + " | " + " | ".join(f"{p} CPU" for p in paths) + " |",
+             "|---:|---:|" + "---:|" * (3 * len(paths))]
+    cell = lambda row, k: f"{row[k]:.0f} us" if k in row else "-"          # noqa: E731
     for kib in t.get("shm", {}):
-        ip, so, sh = t.get("inprocess", {}).get(kib, {}), t["socket"].get(kib, {}), t["shm"][kib]
-        cell = lambda row, k: f"{row[k]:.0f} us" if k in row else "-"          # noqa: E731
-        lines.append(f"| {kib} | {cell(ip, 'handoff_us')} | {cell(so, 'handoff_us')} | {cell(sh, 'handoff_us')} | "
-                     f"{cell(so, 'stream_us')} | {cell(sh, 'stream_us')} | {cell(so, 'cpu_us')} | {cell(sh, 'cpu_us')} |")
+        ip = t.get("inprocess", {}).get(kib, {})
+        rows = [t[p].get(kib, {}) for p in paths]
+        lines.append(f"| {kib} | {cell(ip, 'handoff_us')} | "
+                     + " | ".join(cell(r, k) for k in ("handoff_us", "stream_us", "cpu_us") for r in rows) + " |")
     if v:
-        lines += ["", f"Target (issue 15): <= {v['target_us_per_sample_52kib']:g} us per sample at 52 KiB on one host: "
-                      f"hand-off {v['shm_handoff_us_52kib']:.0f} us ({'meets' if v['handoff_meets_target'] else 'misses'}), "
-                      f"stream {v['shm_stream_us_52kib']:.0f} us ({'meets' if v['stream_meets_target'] else 'misses'}); "
+        best = v.get("default_path", "shm")
+        lines += ["", f"Target (issue 15): <= {v['target_us_per_sample_52kib']:g} us per sample at 52 KiB on one host, "
+                      f"on the default path ({best}): "
+                      f"hand-off {v[best + '_handoff_us_52kib']:.0f} us ({'meets' if v['handoff_meets_target'] else 'misses'}), "
+                      f"stream {v[best + '_stream_us_52kib']:.0f} us ({'meets' if v['stream_meets_target'] else 'misses'}); "
                       f"every sample bit-identical: {v['all_identical']}."
-                  + (f" Whatever carries the bytes, an empty call between the two processes takes "
-                     f"{v['empty_call_rtt_us_per_put']:.0f} us ({v['empty_call_rtt_us_per_sample']:.0f} us per sample of a "
-                     f"put of {c['samples']}"
+                  + (f" An empty call between the two processes takes {v['empty_call_rtt_us_per_put']:.0f} us on the "
+                     f"{best} path ({v['empty_call_rtt_us_per_sample']:.0f} us per sample of a put of {c['samples']}"
+                     + (f"; {v['empty_call_rtt_us_per_put_tensorpipe']:.0f} us over TensorPipe"
+                        if "empty_call_rtt_us_per_put_tensorpipe" in v else "")
                      + (f"; TensorPipe's own round trip, without the actor, its ordering or the wire format: "
                         f"{v['tensorpipe_rtt_us_per_put']:.0f} us" if "tensorpipe_rtt_us_per_put" in v else "")
                      + f"), and packing + unpacking {v['pack_unpack_us_52kib']:.0f} us per sample."

@@ -97,9 +97,10 @@ class Sender:
     def __init__(self, peers):
         self.peers, self.sinks = peers, []
 
-    def use(self, shm_on: bool, sinks: list[str]) -> None:
-        from torchdata_overlord.runtime import shm
-        shm.set_enabled(shm_on)
+    def use(self, path: str, sinks: list[str]) -> None:
+        from torchdata_overlord.runtime import lane, shm
+        shm.set_enabled(path != "socket")
+        lane.set_enabled(path == "lane")
         self.sinks = list(sinks)
 
     def handoff(self, nbytes: int, samples: int, steps: int, warmup: int) -> dict:
@@ -148,8 +149,8 @@ class Sender:
         recs = {i: make_sample(i, nbytes) for i in range(samples)}
         sink = self.sinks[0]
         other_cpu = self.peers.call(sink, "cpu", timeout=60).result(65)
-        from torchdata_overlord.runtime import shm
-        sent0 = shm.stats()["sent"]
+        from torchdata_overlord.runtime import lane, shm
+        sent0, lane0 = shm.stats()["sent"], lane.stats()["calls"]
         c0, t0 = _cpu(), time.perf_counter()
         inflight = []
         for k in range(calls):
@@ -162,19 +163,20 @@ class Sender:
         other_cpu = self.peers.call(sink, "cpu", timeout=60).result(65) - other_cpu
         local = self.peers.where(sink) == self.peers.where("sender")
         return {"wall_s": wall, "cpu_s": cpu + (0.0 if local else other_cpu), "samples": calls * samples,
-                "via_shm": shm.stats()["sent"] - sent0}
+                "via_shm": shm.stats()["sent"] - sent0, "via_lane": lane.stats()["calls"] - lane0}
 
 
 PATHS = {"inprocess": "two actors of one process (no RPC, no pickling)",
          "socket": "RPC, the wire buffer through loopback TCP (TensorPipe uv/basic; the path before shared memory)",
-         "shm": "RPC, the wire buffer in the sender's shared memory, a handle over TCP (the default on one host)"}
+         "shm": "RPC, the wire buffer in the sender's shared memory, a handle over TensorPipe's TCP",
+         "lane": "the buffer in shared memory, the call on a Unix socket (runtime/lane.py; the default on one host)"}
 
 
 def measure(t, path: str, kib: int, a: dict) -> dict:
     """One path at one sample size (the sender switched to it first)."""
     sinks = ["near:0", "near:1"] if path == "inprocess" else ["sink:0", "sink:1"]
     call = lambda m, *args: t.call("sender", m, *args, timeout=300).result(310)      # noqa: E731
-    call("use", path == "shm", sinks)
+    call("use", path, sinks)
     nbytes = kib * 1024
     h = call("handoff", nbytes, a["samples"], a["steps"], a["warmup"])
     n = a["samples"] * len(sinks)
@@ -187,7 +189,7 @@ def measure(t, path: str, kib: int, a: dict) -> dict:
             "pack_unpack_us": 1e6 * f["pack_unpack_s"] / a["samples"],
             "handoff_p90_us": 1e6 * float(np.percentile(h["per_step_s"], 90)) / n,
             "stream_us": 1e6 * s["wall_s"] / s["samples"], "cpu_us": 1e6 * s["cpu_s"] / s["samples"],
-            "via_shm": s["via_shm"]}
+            "via_shm": s["via_shm"], "via_lane": s["via_lane"]}
 
 
 def main(argv=None) -> int:
@@ -234,11 +236,12 @@ def main(argv=None) -> int:
                                               "pack_unpack_us")}
                 table[path][kib]["identical"] = all(row["identical"] for row in rows)
                 table[path][kib]["via_shm"] = sum(row["via_shm"] for row in rows)
+                table[path][kib]["via_lane"] = sum(row["via_lane"] for row in rows)
     print(f"\nper sample, us (medians of {a['rounds']} round(s)); hand-off: deliver-shaped (a put of {a['samples']} "
           f"samples to each of 2 constructors, then wait for both); stream: {a['window']} puts in flight to one; "
           f"cpu: both processes' CPU time in the stream run; floors: an empty call's round trip (us per put, "
           f"whatever carries the bytes) and packing + unpacking (us per sample, in one process)")
-    print(f"{'KiB':>6} {'path':>10} {'hand-off':>9} {'p90':>9} {'stream':>9} {'cpu':>9} {'identical':>9} {'via shm':>8} "
+    print(f"{'KiB':>6} {'path':>10} {'hand-off':>9} {'p90':>9} {'stream':>9} {'cpu':>9} {'identical':>9} {'via shm':>8} {'via lane':>8} "
           f"{'empty call':>10} {'tensorpipe':>10} {'pack+unpack':>11}")
     for kib in map(str, a["sizes_kib"]):
         for path in PATHS:
@@ -246,35 +249,42 @@ def main(argv=None) -> int:
             if row:
                 print(f"{kib:>6} {path:>10} {row['handoff_us']:>9.1f} {row['handoff_p90_us']:>9.1f} "
                       f"{row['stream_us']:>9.1f} {row['cpu_us']:>9.1f} {str(row['identical']):>9} {row['via_shm']:>8} "
-                      f"{row['empty_call_rtt_us_per_put']:>10.0f} {row['tensorpipe_rtt_us_per_put']:>10.0f} "
+                      f"{row['via_lane']:>8} {row['empty_call_rtt_us_per_put']:>10.0f} {row['tensorpipe_rtt_us_per_put']:>10.0f} "
                       f"{row['pack_unpack_us']:>11.1f}")
     verdict = {}
-    if "52" in table["shm"] and "52" in table["socket"]:
-        sh, so = table["shm"]["52"], table["socket"]["52"]
-        verdict = {"target_us_per_sample_52kib": TARGET_US, "shm_handoff_us_52kib": sh["handoff_us"],
-                   "socket_handoff_us_52kib": so["handoff_us"], "shm_stream_us_52kib": sh["stream_us"],
-                   "socket_stream_us_52kib": so["stream_us"],
-                   "handoff_meets_target": sh["handoff_us"] <= TARGET_US, "stream_meets_target": sh["stream_us"] <= TARGET_US,
+    if all("52" in table[p] for p in ("socket", "shm", "lane")):
+        ln, sh, so = table["lane"]["52"], table["shm"]["52"], table["socket"]["52"]
+        verdict = {"target_us_per_sample_52kib": TARGET_US, "default_path": "lane",
+                   "lane_handoff_us_52kib": ln["handoff_us"], "shm_handoff_us_52kib": sh["handoff_us"],
+                   "socket_handoff_us_52kib": so["handoff_us"], "lane_stream_us_52kib": ln["stream_us"],
+                   "shm_stream_us_52kib": sh["stream_us"], "socket_stream_us_52kib": so["stream_us"],
+                   "handoff_meets_target": ln["handoff_us"] <= TARGET_US, "stream_meets_target": ln["stream_us"] <= TARGET_US,
                    "all_identical": all(r["identical"] for by in table.values() for r in by.values()),
-                   "shm_used": all(r["via_shm"] > 0 for r in table["shm"].values()),
-                   "empty_call_rtt_us_per_put": sh["empty_call_rtt_us_per_put"],
-                   "empty_call_rtt_us_per_sample": sh["empty_call_rtt_us_per_put"] / a["samples"],
+                   "shm_used": all(r["via_shm"] > 0 for p in ("shm", "lane") for r in table[p].values()),
+                   "lane_used": all(r["via_lane"] > 0 for r in table["lane"].values()),
+                   "others_off_lane": all(r["via_lane"] == 0 for p in ("socket", "shm") for r in table[p].values()),
+                   "empty_call_rtt_us_per_put": ln["empty_call_rtt_us_per_put"],
+                   "empty_call_rtt_us_per_put_tensorpipe": sh["empty_call_rtt_us_per_put"],
+                   "empty_call_rtt_us_per_sample": ln["empty_call_rtt_us_per_put"] / a["samples"],
                    "tensorpipe_rtt_us_per_put": sh["tensorpipe_rtt_us_per_put"],
-                   "pack_unpack_us_52kib": sh["pack_unpack_us"],
+                   "pack_unpack_us_52kib": ln["pack_unpack_us"],
                    "socket_used_no_shm": all(r["via_shm"] == 0 for r in table["socket"].values())}
-        print(f"\n52 KiB per sample, one host, target <= {TARGET_US:g} us: hand-off shm {sh['handoff_us']:.1f} us vs socket "
-              f"{so['handoff_us']:.1f} us ({'MEETS' if verdict['handoff_meets_target'] else 'MISSES'}); stream shm "
+        print(f"\n52 KiB per sample, one host, target <= {TARGET_US:g} us: hand-off lane {ln['handoff_us']:.1f} us vs "
+              f"shm over TensorPipe {sh['handoff_us']:.1f} us vs socket {so['handoff_us']:.1f} us "
+              f"({'MEETS' if verdict['handoff_meets_target'] else 'MISSES'}); stream lane {ln['stream_us']:.1f} vs shm "
               f"{sh['stream_us']:.1f} vs socket {so['stream_us']:.1f} us "
               f"({'MEETS' if verdict['stream_meets_target'] else 'MISSES'}); bit-identical: {verdict['all_identical']}; "
-              f"shm used: {verdict['shm_used']}, socket path free of it: {verdict['socket_used_no_shm']}; whatever "
-              f"carries the bytes, an empty call takes {verdict['empty_call_rtt_us_per_put']:.0f} us "
-              f"({verdict['empty_call_rtt_us_per_sample']:.0f} us per sample of a put of {a['samples']}; TensorPipe's own "
-              f"round trip {verdict['tensorpipe_rtt_us_per_put']:.0f} us), and packing + "
+              f"shm used: {verdict['shm_used']}, lane used: {verdict['lane_used']}, the others off it: "
+              f"{verdict['others_off_lane']}, socket path free of shm: {verdict['socket_used_no_shm']}; an empty call takes "
+              f"{verdict['empty_call_rtt_us_per_put']:.0f} us on the lane, "
+              f"{verdict['empty_call_rtt_us_per_put_tensorpipe']:.0f} us over TensorPipe "
+              f"(TensorPipe's own round trip {verdict['tensorpipe_rtt_us_per_put']:.0f} us), and packing + "
               f"unpacking {verdict['pack_unpack_us_52kib']:.0f} us per sample")
     out = {"benchmark": "transport", "quick": args.quick, "config": a, "paths": PATHS, "table": table, "runs": runs,
            "verdict": verdict, "errors": errors}
     write_results(args.out, out, started=t_all, load_start=load_start)
-    ok = verdict and verdict["all_identical"] and verdict["shm_used"] and verdict["socket_used_no_shm"]
+    ok = (verdict and verdict["all_identical"] and verdict["shm_used"] and verdict["socket_used_no_shm"]
+          and verdict["lane_used"] and verdict["others_off_lane"])
     return 1 if errors or not ok else 0
 
 

@@ -9,7 +9,8 @@ future, so a slow actor never holds an RPC thread. A method may return a
 actor thread moves on and the caller is answered when that future completes. A call that arrives
 before its actor exists waits for it (roles are created by one process while others already call).
 A call's arguments and answer travel as one pickle and one tensor buffer (:mod:`.wire`); calls out
-are in :mod:`.rpc_calls` (a call to an actor of the caller's own process skips RPC altogether).
+are in :mod:`.rpc_calls` (a call to an actor of the caller's own process skips RPC altogether, and one
+to a process of the same host takes its :mod:`.lane` once open).
 
 Several jobs may share one RPC group (see :mod:`.rpc_session`): an actor is registered under its
 job's prefix (``"<ns><name>"``, ``ns`` like ``"2/"``; ``""`` in a launched job), and a closed job's
@@ -223,8 +224,9 @@ def forget_actors() -> None:
         _DROPPED.clear()
     with _SEQ_LOCK:
         _SEQ.clear()
-        deadlines = list(_LOCAL_DEADLINES)
-        _LOCAL_DEADLINES.clear()
+        deadlines = [d for kind in _DEADLINES for d in kind]
+        for kind in _DEADLINES:
+            kind.clear()
     for a in actors:
         a.stop()
     for d in deadlines:
@@ -256,18 +258,24 @@ def _packed(result, caller: str | None = None) -> tuple:
         return pack(Failure(e))
 
 
-@rpc.functions.async_execution
-def _invoke(name: str, caller: str, seq: int, method: str, data: bytes, buffer) -> torch.futures.Future:
-    fut = torch.futures.Future()
+def dispatch(name: str, caller: str, seq: int, method: str, data: bytes, buffer, send: Callable[[tuple], None]) -> None:
+    """Queue call ``seq`` of ``caller`` on actor ``name``, however it came (RPC or a :mod:`.lane`);
+    ``send(packed)`` takes the packed answer, from whichever thread completes it."""
     actor = _actor(name)
     if actor is None:
-        fut.set_result(pack(_closed_job(name)))
-        return fut
+        send(pack(_closed_job(name)))
+        return
     try:
         args, kwargs = unpack(data, buffer)
     except Exception as e:                  # noqa: BLE001 - the call still takes its place in the order
         method, args, kwargs = None, (e,), {}
-    actor.submit(caller, seq, method, args, kwargs, lambda result: fut.set_result(_packed(result, caller)))
+    actor.submit(caller, seq, method, args, kwargs, lambda result: send(_packed(result, caller)))
+
+
+@rpc.functions.async_execution
+def _invoke(name: str, caller: str, seq: int, method: str, data: bytes, buffer) -> torch.futures.Future:
+    fut = torch.futures.Future()
+    dispatch(name, caller, seq, method, data, buffer, fut.set_result)
     return fut
 
 
@@ -280,15 +288,24 @@ def _exit_now(code: int = 0) -> None:
 
 _SEQ: dict[str, itertools.count] = {}       # actor key -> the next call number from this process (rpc_calls.py)
 _SEQ_LOCK = threading.Lock()
-_LOCAL_DEADLINES: list[Deadlines] = []       # the timeouts of calls within this process (one thread, made on demand)
+_DEADLINES: tuple[list[Deadlines], list[Deadlines]] = ([], [])   # timeouts of calls within this process, and on lanes (a thread each, made on demand)
 
 
 def local_deadlines() -> Deadlines:
     """The deadline thread of this process's calls to its own actors (ended when it leaves its group)."""
+    return _deadlines(0, "overlord-local-deadlines")
+
+
+def lane_deadlines() -> Deadlines:
+    """The deadline thread of this process's calls on lanes (:mod:`.lane`; RPC times out its own calls)."""
+    return _deadlines(1, "overlord-lane-deadlines")
+
+
+def _deadlines(i: int, name: str) -> Deadlines:
     with _SEQ_LOCK:
-        if not _LOCAL_DEADLINES:
-            _LOCAL_DEADLINES.append(Deadlines("overlord-local-deadlines"))
-        return _LOCAL_DEADLINES[0]
+        if not _DEADLINES[i]:
+            _DEADLINES[i].append(Deadlines(name))
+        return _DEADLINES[i][0]
 
 
 # ------------------------------------------------------------------------------ role worker processes

@@ -260,6 +260,8 @@ class Job(ClientRecovery):
         finally:
             if self._own_transport and self.transport is not None:
                 self.transport.stop()
+            for t in list(getattr(self._recovery, "_threads", ())):
+                t.join(self.timeout)         # a recovery under way ends: its calls now fail at once
 
     def _close_roles(self) -> None:
         missing = self.transport.wait_for_clients(self.timeout)

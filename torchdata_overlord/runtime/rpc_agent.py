@@ -29,7 +29,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from ..errors import OverlordError
-from . import shm
+from . import lane, shm
 
 __all__ = ["TransportStartupError", "start_rpc", "stop_rpc", "init_rpc", "fresh_rpc_state", "set_cpp_log_level",
            "self_name"]
@@ -113,6 +113,7 @@ def init_rpc(name: str, rank: int, world_size: int, init_method: str, rpc_timeou
 
     fresh_rpc_state()
     shm.reset()
+    lane.reset()
     _SELF.clear()
     real = dist_autograd._init
     dist_autograd._init = _autograd_set_up_once(real)
@@ -212,5 +213,6 @@ def stop_rpc(timeout: float) -> None:
         if previous is not None:
             set_cpp_log_level(previous)
     shm.reset()                          # this group's arena and peers (its calls are answered or failed)
+    lane.reset()                         # and its lanes: a call still waiting on one fails
     if t.is_alive():
         log.error("rpc.shutdown did not finish within %g s; RPC threads may still run", timeout)

@@ -3,7 +3,8 @@
 Each call takes the next number in its (caller process, actor) sequence, which the actor's process
 uses to run the caller's calls in order (see :mod:`._rpc_worker`). A call to an actor of this very
 process skips RPC; any other travels as one pickle and one tensor buffer (:mod:`.wire`), the buffer in
-shared memory when the actor's process shares this host (:mod:`.shm`).
+shared memory when the actor's process shares this host (:mod:`.shm`), and the call on a Unix socket
+instead of TensorPipe once that process's lane is open (:mod:`.lane`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import itertools
 
 import torch.distributed.rpc as rpc
 
-from ._rpc_worker import _SEQ, _SEQ_LOCK, Failure, _actor, _closed_job, _create, _invoke, local_deadlines
+from ._rpc_worker import _SEQ, _SEQ_LOCK, Failure, _actor, _closed_job, _create, _invoke, lane_deadlines, local_deadlines
+from .lane import route
 from .rpc_agent import self_name
 from .transport import ActorDied, ActorError, CallTimeout, settle
 from .wire import discard, pack, unpack
@@ -69,26 +71,37 @@ def call_actor(worker: str, actor: str, method: str, args, kwargs, timeout: floa
             f"{actor}.{method}() got no answer within its timeout of {timeout:g} s", actor))
         target.submit(caller, seq, method, args, kwargs, answer, inline=direct)
         return out
-    try:
-        fut = rpc.rpc_async(worker, _invoke, args=(key, caller, seq, method, *payload), timeout=timeout)
-    except BaseException as e:             # noqa: BLE001
-        discard(payload[1])
-        settle(out, exc=on_error(e, actor, method, timeout))
-        return out
 
-    def done(f):
+    def arrived(packed) -> None:
         try:
-            result = f.value()
-        except BaseException as e:         # noqa: BLE001
-            settle(out, exc=on_error(e, actor, method, timeout))
-            return
-        try:
-            result = unpack(*result)
+            result = unpack(*packed)
         except Exception as e:             # noqa: BLE001
             settle(out, exc=ActorError(f"{actor}.{method}(): its answer does not unpickle here: "
                                        f"{type(e).__name__}: {e}"))
             return
         answer(result)
+
+    def failed(e: BaseException) -> None:
+        settle(out, exc=on_error(e, actor, method, timeout))
+
+    lane = route(worker)
+    if lane is not None and lane.call(key, caller, seq, method, payload, arrived, failed):
+        lane_deadlines().add(out, timeout, lambda: on_error(TimeoutError("timed out"), actor, method, timeout))
+        return out
+    try:
+        fut = rpc.rpc_async(worker, _invoke, args=(key, caller, seq, method, *payload), timeout=timeout)
+    except BaseException as e:             # noqa: BLE001
+        discard(payload[1])
+        failed(e)
+        return out
+
+    def done(f):
+        try:
+            packed = f.value()
+        except BaseException as e:         # noqa: BLE001
+            failed(e)
+            return
+        arrived(packed)
 
     fut.add_done_callback(done)
     return out

@@ -22,7 +22,8 @@ socket), and TensorPipe is restricted to its ``uv`` transport and ``basic`` chan
 ``TP_SOCKET_IFNAME=lo`` and ``GLOO_SOCKET_IFNAME=lo``, so the only listening sockets are on 127.0.0.1.
 Between processes of one host a call's tensors skip the socket: they are written into the sender's
 shared memory (an unnamed memfd, opened by peers through ``/proc``; see :mod:`.shm`), and the RPC
-carries a handle; that opens no socket.
+carries a handle; that opens no socket. The calls themselves take a *lane* once it is open (an
+abstract Unix socket, never on the network; see :mod:`.lane`), not TensorPipe.
 """
 
 from __future__ import annotations
