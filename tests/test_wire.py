@@ -240,3 +240,14 @@ def test_pack_frees_the_senders_tensors_when_it_returns_without_a_gc_pass():
     finally:
         gc.enable()
     assert torch.equal(unpack(data, buffer)["t"], torch.arange(1000))
+
+
+def test_a_received_message_of_several_dtypes_saves_with_torch_save(tmp_path):
+    """torch.save refuses one storage viewed as several types: a trainer saving a received batch (ids,
+    masks, images, bf16) must not meet that; each dtype's tensors share a storage of that dtype only."""
+    obj = {"ids": torch.arange(9), "mask": torch.tensor([True, False]), "img": torch.randint(0, 256, (2, 3, 4), dtype=torch.uint8),
+           "h": torch.randn(5).to(torch.bfloat16), "f": torch.randn(2, 3).t(), "ids2": torch.arange(4)}
+    back = unpack(*pack(obj))
+    torch.save(back, tmp_path / "batch.pt")
+    again = torch.load(tmp_path / "batch.pt")
+    assert same(again, obj)

@@ -166,19 +166,15 @@ def unpack(data: bytes, buffer: torch.Tensor | tuple | None):
         return pickle.loads(data)
     f = io.BytesIO(data)
     layout = pickle.load(f)
-    # every tensor is a view of `whole`: its storage keeps the buffer alive, and with a shared-memory
-    # region, the numpy array whose finalizer frees the region once the last view is gone
-    if isinstance(buffer, tuple):
-        whole = torch.from_numpy(shm.receive(buffer))
-    elif buffer.storage_offset() % _ALIGN:     # (not one pack made) a storage starting where it does
-        whole = torch.from_numpy(buffer.numpy())
-    else:
-        whole = buffer
-    if not len(whole):
-        whole = torch.empty(0, dtype=torch.uint8)      # (from numpy, an empty one has stride 0: no dtype views)
+    # each dtype's tensors are views of one storage of their own (torch.save refuses a storage viewed as
+    # several types), made over the buffer's bytes: with a shared-memory region, every one keeps alive the
+    # numpy array whose finalizer frees the region once the last view is gone
+    raw = shm.receive(buffer) if isinstance(buffer, tuple) else buffer.numpy()
     groups = []
     for name, start, nbytes, sizes, fixes in layout:
-        pieces = whole[start:start + nbytes].view(getattr(torch, name)).split_with_sizes(sizes)
+        dtype = getattr(torch, name)
+        block = torch.from_numpy(raw[start:start + nbytes]).view(dtype) if nbytes else torch.empty(0, dtype=dtype)
+        pieces = block.split_with_sizes(sizes)
         if fixes:
             pieces = list(pieces)
             for i, shape, stride in fixes:             # the piece's offset, the tensor's shape and strides
