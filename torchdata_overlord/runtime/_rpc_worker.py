@@ -288,7 +288,8 @@ def _exit_now(code: int = 0) -> None:
 
 _SEQ: dict[str, itertools.count] = {}       # actor key -> the next call number from this process (rpc_calls.py)
 _SEQ_LOCK = threading.Lock()
-_DEADLINES: tuple[list[Deadlines], list[Deadlines]] = ([], [])   # timeouts of calls within this process, and on lanes (a thread each, made on demand)
+# the timeouts of calls within this process, and of calls on lanes (a thread each, made on demand)
+_DEADLINES: tuple[list[Deadlines], list[Deadlines]] = ([], [])
 
 
 def local_deadlines() -> Deadlines:

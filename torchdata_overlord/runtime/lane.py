@@ -3,13 +3,14 @@
 An actor call between two processes of this host took ~850 us over TensorPipe (its reactor and
 callback threads hand a message over several times) and takes ~280 us over one Unix stream socket
 per (caller, callee) pair with a reader thread on each side (measured here, 2 cores; the rest is the
-thread hand-overs of the actor's own queue and of the caller's future). So once a peer is known to share the host, a call to
-it (:func:`.rpc_calls.call_actor`) travels on its *lane*: the same message (one pickle, its tensors
-in the sender's shared memory, :mod:`.wire`), the same ordering (each call carries its ``(caller,
-seq)``, which the actor's process uses whichever way the call came, so calls that went over RPC
-before the lane opened and calls on it keep their order), the same timeout, and the peer's death
-seen as the socket's end (every call waiting on it fails as ``ActorDied``). TensorPipe still starts
-the group, carries calls between hosts, and every call made before the lane is up.
+thread hand-overs of the actor's own queue and of the caller's future). So once a peer is known to
+share the host, a call to it (:func:`.rpc_calls.call_actor`) travels on its *lane*: the same message
+(one pickle, its tensors in the sender's shared memory, :mod:`.wire`), the same ordering (each call
+carries its ``(caller, seq)``, which the actor's process uses whichever way the call came, so calls
+that went over RPC before the lane opened and calls on it keep their order), the same timeout, and
+the peer's death seen as the socket's end (every call waiting on it fails as ``ActorDied``; a send
+to a peer that reads nothing gives up after ``_SEND_TIMEOUT`` as a timeout). TensorPipe still
+starts the group, carries calls between hosts, and every call made before the lane is up.
 
 How a lane opens: the first call to a peer asks it over RPC (:func:`_address`) for its listening
 socket, an *abstract* Unix socket (no file, nothing left behind; reachable only from the same host
@@ -48,7 +49,7 @@ _HEADER = struct.Struct("<QQIII")       # kind, call id, address pickle, message
 _CALL, _ANSWER = 1, 2
 _SECRET_BYTES = 16
 _CONNECT_TIMEOUT = 10.0
-_SEND_TIMEOUT = 30            # seconds a frame may wait for room in a peer that reads nothing (frozen): then the lane ends
+_SEND_TIMEOUT = 30            # s a frame may wait for room in a peer that reads nothing (frozen); then the lane ends
 
 _SWITCH: list[bool] = []                         # set_enabled's override of the environment
 _ENV_ON: list[bool] = []                         # OVERLORD_RPC_LANE as last read
