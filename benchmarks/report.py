@@ -130,6 +130,13 @@ def runtimes_table(data: dict) -> list[str]:
     for key, r in runs.items():
         lines.append(f"| {labels.get(key, key)} | {r['processes']} | {r['samples_per_s']:,.0f} | "
                      f"{r['tokens_per_s']:,.0f} |")
+    v = data.get("verdict", {})
+    each = {k: v.get(f"ratio_{k}_over_dataloader_each_round") for k in ("local", "rpc")}
+    if all(each.values()):
+        lines += ["", "Samples/s against the DataLoader, medians of the per-round ratios over the run above and "
+                      f"{len(each['rpc']) - 1} more interleaved throughput-only rounds (target for rpc: >= 1.0x): "
+                  + "; ".join(f"{k} {v[f'ratio_{k}_over_dataloader']:.3f}x ({', '.join(f'{x:.2f}' for x in each[k])})"
+                              for k in ("local", "rpc")) + "."]
     lat = [(k, l) for k in ("local", "rpc") if k in runs for l in runs[k].get("latencies", [runs[k]["latency"]])]
     if lat:
         lines += ["", f"Trainer-observed `next()` wait with prefetch {data['target']['prefetch']} and a model step "

@@ -21,7 +21,10 @@ delivers the whole global batch each step (what one process feeding the whole me
 
 Measured per OverlordLoader run, on one loader and one iterator:
 
-1. throughput: after ``warmup`` steps, ``steps`` steps consumed as fast as possible -> samples/s;
+1. throughput: after ``warmup`` steps, ``steps`` steps consumed as fast as possible -> samples/s; then
+   ``THROUGHPUT_ROUNDS`` more throughput-only runs of the DataLoader, local and rpc, interleaved (a fresh
+   subprocess each): the ratios to the DataLoader are the medians of the per-round ratios (one run each
+   moves by +-10% on this shared machine);
 2. fetch latency: a simulated trainer step between ``next()`` calls: forward + backward + SGD step of a
    ``TransformerEncoderLayer`` on a fixed random batch (one torch thread), sized beforehand to take
    each of ``--model-ms`` (100 and 250 ms: about the loader's own pace for the whole global batch on
@@ -88,6 +91,7 @@ TARGET = {"waited_fraction": 0.01, "prefetch": 2, "ready_p50_ms": 0.1}
 MARK = "@@RUNTIMES-RESULT@@"
 RUNS = {"dataloader": "DataLoader, 2 worker processes", "local": "OverlordLoader local, workers=2 (1 process)",
         "rpc": "OverlordLoader rpc, n_workers=2 (3 processes)"}
+THROUGHPUT_ROUNDS = 4          # throughput-only runs of each kind besides the main one (ratios: medians)
 STEPRATE = {"global_batch": 8, "mesh": {"dp": 2}, "microbatches": 2, "target_rpc_over_local": 0.8, "rounds": 5}
 
 
@@ -161,12 +165,38 @@ def pct(xs, q) -> float:
     return float(np.percentile(np.asarray(xs, np.float64), q)) if len(xs) else float("nan")
 
 
+def runtime_kwargs(runtime: str) -> dict:
+    """3 processes for rpc (the trainer + WORKERS role workers, one transform at a time per Source Loader);
+    a WORKERS-thread transform pool per source for local."""
+    return {"n_workers": WORKERS, "workers": 0} if runtime == "rpc" else {"workers": WORKERS}
+
+
+def run_throughput(kind: str, corpus, a: dict) -> dict:
+    """Samples/s alone, ``warmup`` + ``steps`` steps (no latency runs): one of the interleaved rounds whose
+    per-round ratios give the median ``ratio_<runtime>_over_dataloader``."""
+    torch.set_num_threads(1)
+    if kind == "dataloader":
+        return run_dataloader(corpus, a)
+    with ol.OverlordLoader(e2e.make_sources(corpus, a["seed"], None), strategy, ol.ClientPlaceTree(**MESH), rank=None,
+                           global_batch=a["global_batch"], seq_len=None, seed=a["seed"], runtime=kind,
+                           prefetch=TARGET["prefetch"], image_token_id=corpus.image_token_id,
+                           **runtime_kwargs(kind)) as loader:
+        it = iter(loader)
+        for _ in range(a["warmup"]):
+            e2e.consume(next(it))
+        n, t0 = 0, time.perf_counter()
+        for _ in range(a["steps"]):
+            n += e2e.consume(next(it))[0]
+        dt = time.perf_counter() - t0
+    return {"runtime": kind, "samples": n, "seconds": dt, "samples_per_s": n / dt}
+
+
 def run_overlord(runtime: str, corpus, a: dict) -> dict:
     torch.set_num_threads(1)
     models = [calibrate(ms, a["calib_reps"]) for ms in a["model_ms"]]
     mesh = ol.ClientPlaceTree(**MESH)
     sources = e2e.make_sources(corpus, a["seed"], None)
-    kw = {"n_workers": WORKERS, "workers": 0} if runtime == "rpc" else {"workers": WORKERS}
+    kw = runtime_kwargs(runtime)
     gb = a["global_batch"]
     t_start = time.perf_counter()
     loader = ol.OverlordLoader(sources, strategy, mesh, rank=None, global_batch=gb, seq_len=None, seed=a["seed"],
@@ -295,6 +325,8 @@ def one(kind: str, a: dict) -> int:
     gc.freeze()
     if kind.startswith("steprate-"):
         r = run_steprate(kind.split("-", 1)[1], corpus, a)
+    elif kind.startswith("throughput-"):
+        r = run_throughput(kind.split("-", 1)[1], corpus, a)
     else:
         r = run_dataloader(corpus, a) if kind == "dataloader" else run_overlord(kind, corpus, a)
     print(MARK + json.dumps(r), flush=True)
@@ -322,7 +354,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model-ms", default="100,250",
                     help="target isolated model step times, comma-separated (one latency run each)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--one", choices=list(RUNS) + ["steprate-local", "steprate-rpc"], help=argparse.SUPPRESS)
+    ap.add_argument("--one", choices=list(RUNS) + ["steprate-local", "steprate-rpc"] + [f"throughput-{k}" for k in RUNS],
+                    help=argparse.SUPPRESS)
     ap.add_argument("--args", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -338,7 +371,8 @@ def main(argv=None) -> int:
          "latency_steps": args.latency_steps or (6 if args.quick else 100),
          "latency_warmup": args.latency_warmup if args.latency_warmup is not None else (2 if args.quick else 5),
          "model_ms": [float(x) for x in str(args.model_ms).split(",")], "calib_reps": 3 if args.quick else 7,
-         "steprate_warmup": 3 if args.quick else 10, "steprate_steps": 10 if args.quick else 300}
+         "steprate_warmup": 3 if args.quick else 10, "steprate_steps": 10 if args.quick else 300,
+         "throughput_rounds": 1 if args.quick else THROUGHPUT_ROUNDS}
     t_all = time.perf_counter()
     load_start = round(os.getloadavg()[0], 2)
     corpus = build_demo_corpus(a["root"], scale=scale, seed=args.seed)    # build once, before the runs
@@ -355,6 +389,18 @@ def main(argv=None) -> int:
             errors[kind] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         print(f"  {kind}: {'failed' if kind in errors else 'done'} in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    # samples/s again, alone and interleaved (the machine is shared: one run each moves by +-10%): the ratios
+    # to the DataLoader are the medians over the main runs and these rounds, each ratio within one round
+    rounds: dict = {k: [runs[k]["samples_per_s"]] for k in RUNS if k in runs}
+    for r in range(a["throughput_rounds"]):
+        for kind in (list(RUNS) if r % 2 else list(RUNS)[::-1]):
+            try:
+                rounds.setdefault(kind, []).append(
+                    spawn(f"throughput-{kind}", a, timeout=280 if args.quick else 600)["samples_per_s"])
+            except Exception as e:  # noqa: BLE001 (recorded; the exit status says a run failed)
+                errors[f"throughput-{kind}"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
 
     steprate = {}
     for _ in range(1 if args.quick else STEPRATE["rounds"]):   # interleaved: the machine is shared and noisy
@@ -430,8 +476,11 @@ def main(argv=None) -> int:
     if "dataloader" in runs:
         for k in ("local", "rpc"):
             if k in runs:
-                verdict[f"ratio_{k}_over_dataloader"] = runs[k]["samples_per_s"] / runs["dataloader"]["samples_per_s"]
-                print(f"  samples/s {k} / dataloader: {verdict[f'ratio_{k}_over_dataloader']:.3f}")
+                each = [x / d for x, d in zip(rounds[k], rounds["dataloader"])]
+                verdict[f"ratio_{k}_over_dataloader"] = float(np.median(each))
+                verdict[f"ratio_{k}_over_dataloader_each_round"] = each
+                print(f"  samples/s {k} / dataloader: {verdict[f'ratio_{k}_over_dataloader']:.3f} (median of {len(each)} "
+                      f"interleaved rounds: {', '.join(f'{x:.3f}' for x in each)})")
 
     if len(steprate) == 2:
         rate = {k: float(np.median([r["steps_per_s"] for r in v])) for k, v in steprate.items()}
@@ -464,7 +513,8 @@ def main(argv=None) -> int:
                               "serialisation + TensorPipe + deserialisation, averaged over the loaders, which send in "
                               "parallel; local: in-process calls), over the throughput window; the throughput "
                               "delta includes every RPC hop."),
-           "runs": runs, "steprate": {"config": STEPRATE, "runs": steprate}, "transport": transport,
+           "runs": runs, "throughput_rounds": rounds, "steprate": {"config": STEPRATE, "runs": steprate},
+           "transport": transport,
            "verdict": verdict, "errors": errors}
     write_results(args.out, out, started=t_all, load_start=load_start)
     return 1 if errors else 0

@@ -24,6 +24,12 @@ def test_runtimes_quick_writes_all_three_runs_and_latency(tmp_path):
     t = data["transport"]
     assert t["take_rpc_us_per_sample"] > 0 and t["take_local_us_per_sample"] > 0
     assert sum(k.startswith("rpc_") and k.endswith("_meets_target_data_not_ready") for k in data["verdict"]) == 2
+    # the ratios to the DataLoader: medians over the main run and the interleaved throughput-only round
+    for key in ("local", "rpc"):
+        each = data["verdict"][f"ratio_{key}_over_dataloader_each_round"]
+        assert len(each) == 2 and all(x > 0 for x in each), key
+        assert min(each) <= data["verdict"][f"ratio_{key}_over_dataloader"] <= max(each)
+    assert all(len(v) == 2 for v in data["throughput_rounds"].values())
     rate = data["steprate"]
     assert rate["config"]["global_batch"] == 8 and set(rate["runs"]) == {"local", "rpc"}
     assert all(r["steps_per_s"] > 0 for runs in rate["runs"].values() for r in runs)
