@@ -24,7 +24,7 @@ Measured per OverlordLoader run, on one loader and one iterator:
 1. throughput: after ``warmup`` steps, ``steps`` steps consumed as fast as possible -> samples/s; then
    ``THROUGHPUT_ROUNDS`` more throughput-only runs of the DataLoader, local and rpc, interleaved (a fresh
    subprocess each): the ratios to the DataLoader are the medians of the per-round ratios (one run each
-   moves by +-10% on this shared machine);
+   moves by 10-20% on this shared machine);
 2. fetch latency: a simulated trainer step between ``next()`` calls: forward + backward + SGD step of a
    ``TransformerEncoderLayer`` on a fixed random batch (one torch thread), sized beforehand to take
    each of ``--model-ms`` (100 and 250 ms: about the loader's own pace for the whole global batch on
@@ -390,7 +390,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
         print(f"  {kind}: {'failed' if kind in errors else 'done'} in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    # samples/s again, alone and interleaved (the machine is shared: one run each moves by +-10%): the ratios
+    # samples/s again, alone and interleaved (the machine is shared: one run each moves by 10-20%): the ratios
     # to the DataLoader are the medians over the main runs and these rounds, each ratio within one round
     rounds: dict = {k: [runs[k]["samples_per_s"]] for k in RUNS if k in runs}
     for r in range(a["throughput_rounds"]):
