@@ -124,6 +124,16 @@ def _bounded(sock: socket.socket) -> socket.socket:
     return sock
 
 
+def _shut(sock: socket.socket, close: bool = False) -> None:
+    """End ``sock`` for both sides (a reader blocked in ``recv`` wakes up); ``close``: its fd too."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    if close:
+        sock.close()
+
+
 def _send(sock: socket.socket, lock: threading.Lock, parts: list) -> None:
     total = sum(len(p) for p in parts)
     with lock:
@@ -170,10 +180,7 @@ class _Listener:
                 _send(conn, lock, _parts(_ANSWER, cid, None, data, buffer))
             except OSError:              # the caller is gone or reads nothing: its answer and connection go
                 discard(buffer)
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                _shut(conn)
 
         try:
             conn.settimeout(_CONNECT_TIMEOUT)
@@ -202,12 +209,8 @@ class _Listener:
         self.closed = True
         with _LOCK:
             socks = [self.sock, *self.conns]
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+        for sock in socks:
+            _shut(sock, close=True)
 
 
 def _listener() -> "_Listener":
@@ -296,19 +299,12 @@ class Lane:
             if _ROUTES.get(self.peer) is self:
                 _ROUTES[self.peer] = False
                 _STATS["broken"] += 1
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)      # a frame sent in part ends the peer's reading too
-        except OSError:
-            pass
+        _shut(self.sock)                  # a frame sent in part ends the peer's reading too
         for _, failed in waiting:
             failed(exc)
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        _shut(self.sock, close=True)
 
 
 def route(peer: str) -> "Lane | None":
