@@ -171,16 +171,21 @@ def runtime_kwargs(runtime: str) -> dict:
     return {"n_workers": WORKERS, "workers": 0} if runtime == "rpc" else {"workers": WORKERS}
 
 
+def overlord_loader(runtime: str, corpus, a: dict, prefetch: int = TARGET["prefetch"],
+                    sources: list | None = None) -> ol.OverlordLoader:
+    """The measured OverlordLoader (``sources``: made beforehand, out of a timed start-up)."""
+    return ol.OverlordLoader(sources or e2e.make_sources(corpus, a["seed"], None), strategy, ol.ClientPlaceTree(**MESH),
+                             rank=None, global_batch=a["global_batch"], seq_len=None, seed=a["seed"], runtime=runtime,
+                             prefetch=prefetch, image_token_id=corpus.image_token_id, **runtime_kwargs(runtime))
+
+
 def run_throughput(kind: str, corpus, a: dict) -> dict:
     """Samples/s alone, ``warmup`` + ``steps`` steps (no latency runs): one of the interleaved rounds whose
     per-round ratios give the median ``ratio_<runtime>_over_dataloader``."""
     torch.set_num_threads(1)
     if kind == "dataloader":
         return run_dataloader(corpus, a)
-    with ol.OverlordLoader(e2e.make_sources(corpus, a["seed"], None), strategy, ol.ClientPlaceTree(**MESH), rank=None,
-                           global_batch=a["global_batch"], seq_len=None, seed=a["seed"], runtime=kind,
-                           prefetch=TARGET["prefetch"], image_token_id=corpus.image_token_id,
-                           **runtime_kwargs(kind)) as loader:
+    with overlord_loader(kind, corpus, a) as loader:
         it = iter(loader)
         for _ in range(a["warmup"]):
             e2e.consume(next(it))
@@ -194,14 +199,11 @@ def run_throughput(kind: str, corpus, a: dict) -> dict:
 def run_overlord(runtime: str, corpus, a: dict) -> dict:
     torch.set_num_threads(1)
     models = [calibrate(ms, a["calib_reps"]) for ms in a["model_ms"]]
-    mesh = ol.ClientPlaceTree(**MESH)
     sources = e2e.make_sources(corpus, a["seed"], None)
     kw = runtime_kwargs(runtime)
     gb = a["global_batch"]
     t_start = time.perf_counter()
-    loader = ol.OverlordLoader(sources, strategy, mesh, rank=None, global_batch=gb, seq_len=None, seed=a["seed"],
-                               runtime=runtime, prefetch=TARGET["prefetch"], image_token_id=corpus.image_token_id,
-                               **kw)
+    loader = overlord_loader(runtime, corpus, a, sources=sources)
     t_built = time.perf_counter()
     with loader:
         it = iter(loader)
@@ -228,9 +230,7 @@ def run_overlord(runtime: str, corpus, a: dict) -> dict:
     sweep = {TARGET["prefetch"]: lats[0]}
     if runtime == "local":
         for p in (0, 1):
-            with ol.OverlordLoader(e2e.make_sources(corpus, a["seed"], None), strategy, mesh, rank=None,
-                                   global_batch=gb, seq_len=None, seed=a["seed"], runtime=runtime, prefetch=p,
-                                   image_token_id=corpus.image_token_id, **kw) as other:
+            with overlord_loader(runtime, corpus, a, prefetch=p) as other:
                 it2 = iter(other)
                 for _ in range(a["warmup"]):
                     e2e.consume(next(it2))
@@ -395,12 +395,13 @@ def main(argv=None) -> int:
     rounds: dict = {k: [runs[k]["samples_per_s"]] for k in RUNS if k in runs}
     for r in range(a["throughput_rounds"]):
         for kind in (list(RUNS) if r % 2 else list(RUNS)[::-1]):
+            got = None                      # a failed run leaves its round out of the ratios (rounds stay paired)
             try:
-                rounds.setdefault(kind, []).append(
-                    spawn(f"throughput-{kind}", a, timeout=280 if args.quick else 600)["samples_per_s"])
+                got = spawn(f"throughput-{kind}", a, timeout=280 if args.quick else 600)["samples_per_s"]
             except Exception as e:  # noqa: BLE001 (recorded; the exit status says a run failed)
                 errors[f"throughput-{kind}"] = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
+            rounds.setdefault(kind, []).append(got)
 
     steprate = {}
     for _ in range(1 if args.quick else STEPRATE["rounds"]):   # interleaved: the machine is shared and noisy
@@ -476,7 +477,7 @@ def main(argv=None) -> int:
     if "dataloader" in runs:
         for k in ("local", "rpc"):
             if k in runs:
-                each = [x / d for x, d in zip(rounds[k], rounds["dataloader"])]
+                each = [x / d for x, d in zip(rounds[k], rounds["dataloader"]) if x and d]
                 verdict[f"ratio_{k}_over_dataloader"] = float(np.median(each))
                 verdict[f"ratio_{k}_over_dataloader_each_round"] = each
                 print(f"  samples/s {k} / dataloader: {verdict[f'ratio_{k}_over_dataloader']:.3f} (median of {len(each)} "
