@@ -89,6 +89,29 @@ def test_the_expensive_transform_costs_more_and_the_profile_describes_the_source
     assert SourceProfile.from_dict(json.loads(json.dumps(cheap.to_dict()))) == cheap
 
 
+class HeavyTail(Hashing):
+    """One row in ten costs 30x the others (long documents among short ones); the first call also
+    loads a "model" (a one-time cost the profile must not charge to every sample)."""
+
+    def __call__(self, row):
+        if not self.calls:
+            Hashing.__call__(Hashing(rounds=self.rounds * 1000), row)
+        self.calls += 1
+        h = row["text"].encode()
+        for _ in range(self.rounds * (30 if row["id"] % 10 == 0 else 1)):
+            h = hashlib.sha256(h).digest()
+        return {"id": row["id"], "digest": h}
+
+
+def test_the_cost_is_the_mean_of_a_heavy_tail_without_the_first_calls_load(data):
+    """P is what a loader spends per sample on average: a tail of costly rows counts (a median would
+    see the cheap rows only), the first call's one-time load does not."""
+    flat = profile_source(source(data, Hashing(rounds=300)), rows=100)
+    tail = profile_source(source(data, HeavyTail(rounds=300)), rows=100)
+    expected = 1 + 29 * sum(1 for i in range(200) if i % 10 == 0) / 200       # 3.9x the flat rows' mean
+    assert 0.6 * expected < tail.transform_s / flat.transform_s < 1.6 * expected
+
+
 @pytest.mark.parametrize("ahead", [0, 7, 50, 130])
 def test_profiling_leaves_the_stream_where_it_was(data, ahead):
     fresh, profiled = source(data, Cheap()), source(data, Cheap())

@@ -28,8 +28,9 @@ __all__ = ["SourceProfile", "profile_source", "profile_sources", "source_key", "
 
 log = logging.getLogger("torchdata_overlord")
 
-METHOD_VERSION = 1     # bump when what a profile measures changes: older journal entries then miss
-MIN_ROWS = 4           # rows profiled even past the time limit: one row is no median
+METHOD_VERSION = 2     # bump when what a profile measures changes: older journal entries then miss
+                       # (2: P is the mean, not the median: a heavy tail of long texts is most of the cost)
+MIN_ROWS = 4           # rows profiled even past the time limit: one row is no estimate
 ROWS_PER_JOB = 4096    # rows profiled over all of a job's unjournaled sources: 128 each up to 32 sources,
 ROWS_FLOOR = 16        # fewer for more (300 sources: 16 each), so a first start-up stays seconds long
 
@@ -38,7 +39,8 @@ ROWS_FLOOR = 16        # fewer for more (300 sources: 16 each), so a first start
 class SourceProfile:
     """What partitioning needs to know about one source (times in seconds, sizes in bytes).
 
-    ``transform_s`` (P): median CPU time of the transform per sample; ``read_s``: CPU time per raw row
+    ``transform_s`` (P): mean CPU time of the transform per sample, the first call (which loads the
+    transform's models) left out; ``read_s``: CPU time per raw row
     read, a row group's decode spread over its rows; ``sample_bytes``: mean bytes of a transformed
     sample; ``group_bytes`` (M): decoded Arrow bytes of one row group of the projected columns;
     ``rows``: rows per epoch (None: unknown); ``units``: row groups, what data-parallel actors split;
@@ -139,10 +141,18 @@ def profile_source(source, rows: int = 128, time_limit: float = 2.0) -> SourcePr
     group_rows = total_rows / units if total_rows else 1
     read_s = read_plain / max(plain_calls, 1) + (read_decode / decodes / group_rows if decodes else 0.0)
     return SourceProfile(
-        name=source.name, transform_s=statistics.median(ok_times or apply_times or [0.0]), read_s=read_s,
+        name=source.name, transform_s=_per_sample(ok_times or apply_times), read_s=read_s,
         sample_bytes=int(statistics.fmean(sizes)) if sizes else 0, group_bytes=int(group_bytes or known_bytes),
         rows=total_rows, units=units, splittable=isinstance(source, ParquetSource), measured_rows=len(apply_times),
         key=source_key(source), skipped=len(apply_times) - len(ok_times))
+
+
+def _per_sample(times: list[float]) -> float:
+    """Mean CPU seconds per sample after the first call (a tokenizer or decoder loads then, once). The
+    mean, not the median: what a loader spends per step is the sum, and with heavy-tailed text lengths
+    the median sample costs a fraction of the mean one."""
+    times = times[1:] if len(times) > 1 else times
+    return statistics.fmean(times) if times else 0.0
 
 
 def profile_sources(sources: Iterable[Any], journal=None, rows: int | None = None, time_limit: float = 2.0,
