@@ -94,13 +94,16 @@ def record_images(record: Mapping[str, Any]) -> list[tuple[torch.Tensor, tuple[i
 def _text_ids(record: Mapping[str, Any]) -> np.ndarray:
     """A record's text ids as int64 numpy (a view of its tensor where it is one)."""
     ids = record["input_ids"]
-    if type(ids) is torch.Tensor and ids.dtype == torch.int64 and ids.dim() == 1:   # what Tokenize gives
-        return ids.numpy()
+    if type(ids) is torch.Tensor and ids.dtype is torch.int64:   # what Tokenize gives
+        out = ids.numpy()
+        if out.ndim == 1:
+            return out
     return torch.as_tensor(ids).reshape(-1).numpy().astype(np.int64, copy=False)
 
 
-def _int64(values: list) -> torch.Tensor:
-    """``torch.tensor(values, dtype=torch.int64)``, through numpy (about a third of the cost for a short list)."""
+def _int64(values: list | int) -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.int64)`` (a list or a scalar), through numpy (about a third of the
+    cost for a short list, and torch.tensor lets other threads take the GIL)."""
     return torch.from_numpy(np.array(values, np.int64))
 
 
@@ -400,7 +403,7 @@ class DataConstructor:
             chunks, offset = (np.arange(len(padded)), np.zeros(len(padded), np.int64), sizes), None
         arrays = _pack_chunks([s.ids for ss in segs for s in ss], np.asarray(real, np.int64),
                               np.asarray(segment, np.int64), *chunks, self.pad_id, self.ignore_index, offset)
-        scalars = [torch.tensor(r) for r in range(cp)] + [torch.tensor(cp)]
+        scalars = [_int64(r) for r in range(cp + 1)]           # cp_rank 0..cp-1, then cp_size
         splits, at = [], 0
         for row, ss, (_, p) in zip(rows, segs, layouts):
             length = sum(p)

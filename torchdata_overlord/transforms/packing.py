@@ -139,33 +139,47 @@ def _pack_chunks(seqs: list[np.ndarray], real: np.ndarray, segment: np.ndarray, 
     """
     n = real[entry]
     lo, hi = start, start + size
-    bounds = np.stack([lo, np.clip(n - 1, lo, hi), np.clip(n, lo, hi), hi], 1)   # (chunks, 4): 3 runs each
-    at = bounds[:, :3].reshape(-1)                    # run: its first position in its entry
-    lens = (bounds[:, 1:] - bounds[:, :3]).reshape(-1)
+    last = np.minimum(np.maximum(n - 1, lo), hi)      # each chunk's runs: trainable [lo, last), last real
+    pad = np.minimum(np.maximum(n, lo), hi)           # token [last, pad), padding [pad, hi)
+    at = np.stack([lo, last, pad], 1).reshape(-1)     # run: its first position in its entry
+    lens = np.stack([last - lo, pad - last, hi - pad], 1).reshape(-1)
     kind = np.tile(np.arange(3), len(entry))          # 0: trainable, 1: last real token, 2: padding
     e = np.repeat(entry, 3)
-    total = int(size.sum())
     first = np.cumsum(lens) - lens                    # run: its first place in the output
-    step = np.arange(total, dtype=np.int64)
+    step = _counting(int(size.sum()))
 
     def counted(base: np.ndarray) -> np.ndarray:      # base[run] + 0, 1, 2, ... along every run
         out = np.repeat(base - first, lens)
         return np.add(out, step, out=out)
 
-    # ids: every entry's real tokens, then a padding block and an ignore_index block (for padding runs)
-    src = np.cumsum(real) - real
-    block = int(lens[kind > 0].max(initial=0))
-    tokens = np.concatenate([*seqs, np.full(block, pad_id, np.int64), np.full(block, ignore_index, np.int64)])
-    pad_at, ignore_at = len(tokens) - 2 * block, len(tokens) - block
-    real_at = src[e] + at
-    out = {"input_ids": tokens[counted(np.where(kind < 2, real_at, pad_at))],
-           "labels": tokens[counted(np.where(kind == 0, real_at + 1, ignore_at))],
-           "loss_mask": np.repeat(kind == 0, lens),
-           "position_ids": counted(at),
-           "segment_ids": np.repeat(np.where(kind < 2, segment[e], -1), lens)}
+    # every entry's real tokens, then a padding block (what padding runs read); labels read the next
+    # token, ignore_index at each entry's last real token and on the padding block
+    ends = np.cumsum(real)
+    src = ends - real
+    block = int(lens[kind == 2].max(initial=0))
+    tokens = np.concatenate([*seqs, np.full(block, pad_id, np.int64)])
+    labels = np.empty_like(tokens)
+    labels[:-1] = tokens[1:]
+    labels[ends[real > 0] - 1] = ignore_index
+    labels[len(tokens) - block:] = ignore_index
+    index = counted(np.where(kind < 2, src[e] + at, len(tokens) - block))
+    out = {"input_ids": tokens[index], "labels": labels[index], "loss_mask": np.repeat(kind == 0, lens),
+           "position_ids": counted(at), "segment_ids": np.repeat(np.where(kind < 2, segment[e], -1), lens)}
     if offset is not None:
         out["token_index"] = counted(offset[e] + at)
     return out
+
+
+_STEPS = np.arange(0, dtype=np.int64)
+
+
+def _counting(n: int) -> np.ndarray:
+    """``np.arange(n)`` as a read-only view of one array kept for all calls (grown when too short)."""
+    global _STEPS
+    if len(_STEPS) < n:
+        _STEPS = np.arange(max(n, 2 * len(_STEPS)), dtype=np.int64)
+        _STEPS.flags.writeable = False
+    return _STEPS[:n]
 
 
 def unpack(packed: dict[str, torch.Tensor]) -> list[torch.Tensor]:
