@@ -290,7 +290,10 @@ class DataConstructor:
         """What microbatch ``m`` places of ``item``'s staged record: its tokens, images and CP span."""
         key = item.key
         record = self._sample(samples, key, plan.step, bucket, m)
-        ids, imgs = _text_ids(record), record_images(record)
+        ids = _text_ids(record)
+        if item.tokens == len(ids) and item.npieces == item.nshards == 1 and record.get("pixels") is None:
+            return _Segment(item, key, ids)     # a whole text sample (most of them): its ids as they are
+        imgs = record_images(record)
         n = _placeholders(imgs, self.image_token_id)
         a, b = self._bounds(plan, item, n + len(ids))
         piece = _backbone(ids, self.image_token_id, n, a, b)
