@@ -29,7 +29,9 @@ uint8 tensors) or, with an encoder module, ``image_encoder_rank`` (n,). ``torchd
 is the full contract (dtypes, shapes, padding values).
 
 Tensors are shared, not copied, between the clients of one bucket (a pipeline stage's metadata
-is the same ``position_ids`` tensor as stage 0's): treat the outputs as read-only.
+is the same ``position_ids`` tensor as stage 0's), and the per-token tensors of one build are views
+of one array per field (all its microbatches are packed, and CP-split, in one pass): treat the
+outputs as read-only.
 """
 
 from __future__ import annotations
