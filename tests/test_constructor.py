@@ -553,3 +553,116 @@ def test_without_image_token_id_images_ride_along_without_positions(data):
                 assert torch.equal(px, samples[items[int(seg)].key]["pixels"])
                 got[k] += 1
     assert got == Counter(str(k) for k in samples if k.source == "caps")
+
+
+# -- against pack + split_packed ----------------------------------------------------------------
+
+def reference_rows(plan, bucket, samples, seq_len, image_token_id):
+    """The bucket's packed rows as the public transforms give them: each item's backbone piece (a CP
+    span shard: its zig-zag tokens, with the labels / loss_mask / position_ids of its whole sequence)
+    packed by ``pack``, one sequence after another."""
+    cp = plan.mesh.sizes.get("cp", 1) if plan.axis == "dp" else 1
+    mult = 2 * cp if cp > 1 else 1
+    rows = []
+    for items in plan.bucket_microbatches(bucket):
+        seqs, padded, overrides = [], [], {}
+        for j, it in enumerate(items):
+            rec = samples[it.key]
+            n = rec["patches"] if "pixels" in rec and image_token_id is not None else 0
+            full = torch.cat([torch.full((n,), IMG, dtype=torch.int64), rec["input_ids"]])
+            a, b = piece_bounds(plan, it, full.numel())
+            piece = full[a:b]
+            if it.nshards == 1:
+                seqs.append(piece)
+                padded.append(-(-piece.numel() // mult) * mult)
+                continue
+            T, k = piece.numel(), it.nshards
+            idx = ol.transforms.zigzag_indices(-(-T // (2 * k)) * 2 * k, k, it.shard)
+            seqs.append(piece[idx[idx < T]])
+            padded.append(idx.numel())
+            labels = torch.cat([piece[1:], torch.full((idx.numel() * k - T + 1,), IGNORE, dtype=torch.int64)])
+            overrides[j] = {"labels": labels[idx], "loss_mask": idx < T - 1, "position_ids": idx}
+        row = ol.transforms.pack(seqs, seq_len if seq_len is not None or items else mult, PAD, IGNORE,
+                                 pad_to_multiple=mult, sequence_multiple=mult, padded_lengths=padded)
+        cu = row["cu_seqlens_padded"].tolist()
+        for j, fields in overrides.items():
+            for f, v in fields.items():
+                row[f][cu[j]:cu[j + 1]] = v
+        rows.append(row)
+    return rows, cp
+
+
+def random_plan(data, rng):
+    """A plan drawn at random: distribute DP (cp 1, 2 or 4; pieces, truncation) or CP (spans), or a
+    raw plan with empty microbatches; pp/tp replicas; placeholders counted or not."""
+    image_token_id = rng.choice([IMG, None])
+    samples = data["samples"]
+    buffers = data["buffers"] if image_token_id is not None else _buffers(samples, None)
+    kind = rng.choice(["dp", "dp", "cp", "raw"])
+    cp = rng.choice([1, 2, 4] if kind != "cp" else [2, 4])
+    tree = ol.ClientPlaceTree(pp=rng.choice([1, 2]), dp=rng.choice([1, 2]), cp=cp, tp=rng.choice([1, 2]))
+    microbatches = rng.randint(1, 4)
+    if kind == "dp":
+        cap = rng.choice([None, 40, 96, 256])
+        strategy = dp_strategy(cap, "error" if cap is None else rng.choice(["split", "truncate"]), microbatches,
+                               rng.choice(["greedy", "karmarkar_karp"]))
+    elif kind == "cp":
+        strategy = cp_strategy(rng.choice([64, 128, 300]))
+    else:
+        def strategy(g):
+            def fn(gg):
+                buckets = [[[] for _ in range(microbatches)] for _ in gg.layout.buckets]
+                slots = [mb for mbs in buckets for mb in mbs]
+                live = rng.sample(slots, rng.randint(1, len(slots)))     # the others stay empty
+                for row in range(len(gg)):
+                    rng.choice(live).append(row)
+                return buckets
+            return g.distribute("DP").plan_raw(fn)
+    plan = ol.Planner(strategy, tree, global_batch=len(samples)).plan(buffers)
+    return plan, image_token_id
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_build_matches_pack_and_split_packed(data, seed):
+    """Every client's microbatches equal ``pack`` (+ ``split_packed`` for the CP ranks of a DP bucket)
+    of the planned pieces, field by field, in the same key order; pipeline stages share the stage-0
+    tensors of their row."""
+    rng = random.Random(seed)
+    plan, image_token_id = random_plan(data, rng)
+    samples = data["samples"]
+    seq_len = None
+    if rng.random() < 0.5:      # a fixed length that holds every row, with some trailing padding
+        free = build_all(plan, DataConstructor(None, PAD, IGNORE, image_token_id), samples)
+        longest = max(mb["cu_seqlens_padded"][-1].item() for out in free.values() for o in out.values()
+                      for mb in o["microbatches"] or [])
+        m = 2 * plan.mesh.sizes.get("cp", 1)
+        seq_len = -(-longest // m) * m + m * rng.randint(0, 3)
+    cons = DataConstructor(seq_len, PAD, IGNORE, image_token_id)
+    for b in range(len(plan.buckets)):
+        out = cons.build(plan, b, samples)
+        rows, cp = reference_rows(plan, b, samples, seq_len, image_token_id)
+        first_stage = {}
+        for r in plan.buckets[b]:
+            c = plan.mesh.coords(r)
+            got = out[r]["microbatches"]
+            if plan.delivery(r) == "none":
+                assert got is None
+                continue
+            last = c.get("pp", 0) == plan.mesh.sizes.get("pp", 1) - 1
+            for m, (mb, row) in enumerate(zip(got, rows, strict=True)):
+                want = ol.transforms.split_packed(row, cp, c.get("cp", 0)) if cp > 1 else row
+                if plan.delivery(r) == "metadata":
+                    want = {k: v for k, v in want.items() if k != "input_ids" and (last or k not in
+                                                                                     ("labels", "loss_mask"))}
+                keys = [k for k in mb if k in want]
+                assert keys == [k for k in want if k not in ("cp_rank", "cp_size", "token_index")] + \
+                    (["cp_rank", "cp_size", "token_index"] if cp > 1 else [])
+                assert cp == 1 or list(mb)[-3:] == ["cp_rank", "cp_size", "token_index"]
+                assert set(mb) - set(want) <= {
+                    "sample_keys", "spans", "image_keys", "image_grid", "image_segments", "image_positions",
+                    "image_patch_offsets", "pixels"}
+                for k, v in want.items():
+                    assert mb[k].dtype == v.dtype and mb[k].shape == v.shape and torch.equal(mb[k], v), (r, m, k)
+                stage0 = first_stage.setdefault((c.get("cp", 0), m), mb)
+                for k in set(mb) & set(stage0) - {"sample_keys", "spans", "image_keys", "pixels"}:
+                    assert mb[k] is stage0[k], k

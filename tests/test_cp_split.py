@@ -234,21 +234,30 @@ def test_merge_rejects_bad_shards():
 
 
 @SETTINGS
-@given(st.integers(1, 5), st.lists(st.integers(0, 12), max_size=10), st.integers(0, 3))
-def test_rank_major_order_is_every_ranks_packed_indices_in_turn(cp, chunks, start_chunks):
-    """The constructor splits a row for all CP ranks with one gather by ``_cp_order``: rank r's slice
-    of it must be exactly rank r's held positions (recomputed per sequence with plain loops)."""
+@given(st.integers(1, 5), st.lists(st.lists(st.integers(0, 12), max_size=6), max_size=4), st.integers(0, 3))
+def test_zigzag_chunks_lay_out_every_rows_shards_rank_by_rank(cp, rows, start_chunks):
+    """The constructor splits all rows of a build for all CP ranks at once by ``_zigzag_chunks``: row
+    by row, rank r's run of it must be exactly rank r's held positions of that row (recomputed per
+    sequence with plain loops), and one row's positions are ``packed_indices``."""
     import numpy as np
 
-    from torchdata_overlord.transforms.cp_split import _cp_order
+    from torchdata_overlord.transforms.cp_split import _zigzag_chunks
 
+    lengths = [2 * cp * c for chunks in rows for c in chunks]
+    row = [i for i, chunks in enumerate(rows) for _ in chunks]
+    entry, start, size = _zigzag_chunks(np.asarray(lengths, np.int64), np.asarray(row, np.int64), cp, np.arange(cp))
+    got = [(int(e), int(a), int(z)) for e, a, z in zip(entry, start, size)]
+    want, first = [], 0
+    for chunks in rows:
+        for r in range(cp):
+            for j in range(first, first + len(chunks)):
+                c = lengths[j] // (2 * cp)
+                want += [(j, r * c, c), (j, (2 * cp - 1 - r) * c, c)]
+        first += len(chunks)
+    assert got == want
     cu = [2 * cp * start_chunks]
-    for c in chunks:
+    for c in (rows[0] if rows else []):
         cu.append(cu[-1] + 2 * cp * c)
-    order = _cp_order(np.asarray(cu, np.int32), cp)
-    n = (cu[-1] - cu[0]) // cp
-    assert order.dtype == np.int64 and len(order) == cp * n
     for r in range(cp):
         expected = [p for a, b in zip(cu, cu[1:]) for p in expected_positions(b - a, cp, r, start=a)]
-        assert order[r * n:(r + 1) * n].tolist() == expected
         assert packed_indices(torch.tensor(cu), cp, r).tolist() == expected

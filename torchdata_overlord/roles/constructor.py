@@ -29,7 +29,9 @@ uint8 tensors) or, with an encoder module, ``image_encoder_rank`` (n,). ``torchd
 is the full contract (dtypes, shapes, padding values).
 
 Tensors are shared, not copied, between the clients of one bucket (a pipeline stage's metadata
-is the same ``position_ids`` tensor as stage 0's): treat the outputs as read-only.
+is the same ``position_ids`` tensor as stage 0's), and the per-token tensors of one build are views
+of one array per field (all its microbatches are packed, and CP-split, in one pass): treat the
+outputs as read-only.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ import torch
 from ..errors import ConfigError, OverlordError, OversizeSampleError
 from ..plane.plan import Plan, PlanItem, row_cp
 from ..plane.records import SampleKey
-from ..transforms.cp_split import _cp_order, zigzag_indices
-from ..transforms.packing import PER_TOKEN_FIELDS, _pack_arrays, _row_length
+from ..transforms.cp_split import _zigzag_chunks, zigzag_indices
+from ..transforms.packing import PER_TOKEN_FIELDS, _cumulative, _entries, _pack_chunks, _row_length
 
 __all__ = ["DataConstructor", "MissingSampleError", "sequence_length", "sequence_of", "record_images",
            "image_key", "bucket_inputs", "receives_nothing"]
@@ -52,9 +54,8 @@ __all__ = ["DataConstructor", "MissingSampleError", "sequence_length", "sequence
 # packed-row fields that a pipeline stage > 0 keeps (labels/loss_mask only on the last stage)
 _DROP_ON_METADATA = ("input_ids", "pixels")
 _LAST_STAGE_ONLY = ("labels", "loss_mask")
-# the packed-row fields a context-parallel rank receives as its zig-zag shard (the cu_seqlens stay whole)
-_SPLIT_FIELDS = ("input_ids", "labels", "loss_mask", "position_ids", "segment_ids", "cu_seqlens",
-                 "cu_seqlens_padded", "max_seqlen")
+# the packed-row fields that stay whole on a context-parallel rank (it receives a zig-zag shard of the rest)
+_ROW_FIELDS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
 
 
 class MissingSampleError(OverlordError, KeyError):
@@ -95,9 +96,17 @@ def record_images(record: Mapping[str, Any]) -> list[tuple[torch.Tensor, tuple[i
 def _text_ids(record: Mapping[str, Any]) -> np.ndarray:
     """A record's text ids as int64 numpy (a view of its tensor where it is one)."""
     ids = record["input_ids"]
-    if type(ids) is torch.Tensor and ids.dtype == torch.int64 and ids.dim() == 1:   # what Tokenize gives
-        return ids.numpy()
+    if type(ids) is torch.Tensor and ids.dtype is torch.int64:   # what Tokenize gives
+        out = ids.numpy()
+        if out.ndim == 1:
+            return out
     return torch.as_tensor(ids).reshape(-1).numpy().astype(np.int64, copy=False)
+
+
+def _int64(values: list | int) -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.int64)`` (a list or a scalar), through numpy (about a third of the
+    cost for a short list, and torch.tensor lets other threads take the GIL)."""
+    return torch.from_numpy(np.array(values, np.int64))
 
 
 def sequence_length(record: Mapping[str, Any], image_token_id: int | None) -> int:
@@ -111,14 +120,23 @@ def sequence_length(record: Mapping[str, Any], image_token_id: int | None) -> in
 
 def sequence_of(record: Mapping[str, Any], image_token_id: int | None) -> torch.Tensor:
     """The backbone sequence (int64, 1-D): ``[image_token_id] * patches`` per image, then the text ids."""
-    return torch.from_numpy(_sequence(record, image_token_id, record_images(record)))
-
-
-def _sequence(record: Mapping[str, Any], image_token_id: int | None, images: list) -> np.ndarray:
-    """:func:`sequence_of` as numpy, given the record's :func:`record_images`."""
     ids = _text_ids(record)
-    n = sum(p for _, _, p in images) if image_token_id is not None else 0
-    return np.concatenate([np.full(n, int(image_token_id), np.int64), ids]) if n else ids
+    n = _placeholders(record_images(record), image_token_id)
+    return torch.from_numpy(_backbone(ids, image_token_id, n, 0, n + len(ids)))
+
+
+def _placeholders(images: list, image_token_id: int | None) -> int:
+    """How many image placeholders lead a record's backbone sequence, given its :func:`record_images`."""
+    return sum(p for _, _, p in images) if image_token_id is not None else 0
+
+
+def _backbone(ids: np.ndarray, image_token_id: int | None, n: int, a: int, b: int) -> np.ndarray:
+    """Tokens ``a:b`` of the backbone sequence ``[image_token_id] * n`` then ``ids``, without building
+    the rest of it (a view of ``ids`` where they hold them all)."""
+    if a >= n:
+        return ids[a - n:b - n]
+    fill = np.full(min(b, n) - a, image_token_id, np.int64)
+    return fill if b <= n else np.concatenate([fill, ids[:b - n]])
 
 
 def image_key(key: SampleKey, i: int, n: int) -> str:
@@ -171,6 +189,7 @@ class _Image:
 @dataclass
 class _Segment:
     item: PlanItem
+    key: SampleKey
     ids: torch.Tensor                             # the real tokens (a span shard: the real ones it holds)
     padded: int | None = None                     # a span shard's length in the row, its padding included
     span: dict | None = None                      # for a shard of a sequence spanning CP ranks
@@ -216,13 +235,14 @@ class DataConstructor:
                               f"packed rows over {cp} CP ranks; choose seq_len={-(-self.seq_len // (2 * cp)) * 2 * cp}")
         encoder = plan.modules.get("encoder")
         enc_rank = self._encoder_ranks(encoder) if encoder is not None else None
-        built = [self._microbatch(plan, bucket, m, items, samples, cp, enc_rank)
-                 for m, items in enumerate(plan.bucket_microbatches(bucket))]
-        scalars = {**{r: torch.tensor(r) for r in range(cp)}, "size": torch.tensor(cp)} if cp > 1 else {}
+        segs = [[self._segment(plan, bucket, m, it, samples) for it in items]
+                for m, items in enumerate(plan.bucket_microbatches(bucket))]
+        layouts = [self._layout(plan, bucket, m, ss, cp) for m, ss in enumerate(segs)]
+        rows = [self._row(plan, ss, lay, enc_rank) for ss, lay in zip(segs, layouts)]
+        splits = self._fill(rows, segs, layouts, cp)      # microbatch -> every CP rank's shard, shared by PP stages
         pp_last = plan.mesh.sizes.get("pp", 1) - 1
         out: dict[int, object] = {}
         enc_cache: dict[int, dict] = {}
-        splits: dict[int, list[dict]] = {}            # microbatch -> every CP rank's zig-zag shard, shared by PP stages
         for r in plan.buckets[bucket]:
             delivery = plan.delivery(r)
             if delivery == "none":
@@ -230,22 +250,20 @@ class DataConstructor:
             else:
                 c = plan.mesh.coords(r)
                 cp_rank = c.get("cp", 0)
-                mbs = []
-                for m, (row, arrays) in enumerate(built):
-                    if cp > 1 and m not in splits:
-                        splits[m] = self._split(row, arrays, cp, scalars)
-                    mbs.append(self._client_view(row, splits[m][cp_rank] if cp > 1 else None, delivery == "metadata",
-                                                 c.get("pp", 0) == pp_last))
+                mbs = [self._client_view(row, splits[m][cp_rank] if cp > 1 else None, delivery == "metadata",
+                                         c.get("pp", 0) == pp_last) for m, row in enumerate(rows)]
             out[r] = {"delivery": delivery, "microbatches": mbs,
                       "encoder": None if encoder is None else self._encoder_part(encoder, r, samples, enc_cache)}
         return out
 
     # -- samples -----------------------------------------------------------------------------------
     @staticmethod
-    def _sample(samples: Mapping[SampleKey, dict], key: SampleKey, step: int, bucket, where: str) -> dict:
+    def _sample(samples: Mapping[SampleKey, dict], key: SampleKey, step: int, bucket, where: str | int) -> dict:
+        """The staged record of ``key``, planned for ``where`` (a backbone microbatch's index, or a phrase)."""
         try:
             return samples[key]
         except KeyError:
+            where = f"microbatch {where}" if isinstance(where, int) else where
             raise MissingSampleError(
                 f"step {step}: sample {key} is planned for {where} of bucket {bucket} but is not among the "
                 f"{len(samples)} staged samples; the Source Loaders must stage every planned sample of the step "
@@ -270,16 +288,24 @@ class DataConstructor:
                               f"not match the metadata the plan was made from{hint}")
         return a, b
 
-    def _segment(self, plan: Plan, item: PlanItem, record: dict) -> _Segment:
+    def _segment(self, plan: Plan, bucket: int, m: int, item: PlanItem, samples) -> _Segment:
+        """What microbatch ``m`` places of ``item``'s staged record: its tokens, images and CP span."""
+        key = item.key
+        record = self._sample(samples, key, plan.step, bucket, m)
+        ids = _text_ids(record)
+        if item.tokens == len(ids) and item.npieces == item.nshards == 1 and record.get("pixels") is None:
+            return _Segment(item, key, ids)     # a whole text sample (most of them): its ids as they are
         imgs = record_images(record)
-        full = _sequence(record, self.image_token_id, imgs)
-        a, b = self._bounds(plan, item, len(full))
-        piece = full[a:b]
-        seg = _Segment(item, piece)
+        n = _placeholders(imgs, self.image_token_id)
+        a, b = self._bounds(plan, item, n + len(ids))
+        piece = _backbone(ids, self.image_token_id, n, a, b)
+        seg = _Segment(item, key, piece)
+        if not imgs and item.nshards == 1:      # plain text
+            return seg
         # where each image's placeholder run sits in the full sequence
         runs, pos = [], 0
         for i, (px, grid, p) in enumerate(imgs):
-            runs.append((image_key(item.key, i, len(imgs)), px, grid, pos, p))
+            runs.append((image_key(key, i, len(imgs)), px, grid, pos, p))
             pos += p
         if item.nshards > 1:
             k, T = item.nshards, b - a
@@ -294,7 +320,7 @@ class DataConstructor:
             seg.ids = padded[idx[idx < T]]         # the shard's real tokens come first (padding ends the piece)
             seg.padded = len(idx)
             seg.overrides = {"labels": labels[idx], "loss_mask": mask[idx], "position_ids": idx.copy()}
-            seg.span = {"key": str(item.key), "shard": item.shard, "nshards": k, "token_index": torch.from_numpy(idx),
+            seg.span = {"key": str(key), "shard": item.shard, "nshards": k, "token_index": torch.from_numpy(idx),
                         "tokens": T, "piece": item.piece, "npieces": item.npieces}
             for ik, px, grid, s, p in runs:        # images whose placeholders this shard holds
                 lo, hi = max(a, s) - a, min(b, s + p) - a
@@ -315,72 +341,106 @@ class DataConstructor:
         return seg
 
     # -- packing -----------------------------------------------------------------------------------
-    def _microbatch(self, plan: Plan, bucket: int, m: int, items: list[PlanItem], samples, cp: int,
-                    enc_rank) -> tuple[dict, dict]:
-        segs = [self._segment(plan, it, self._sample(samples, it.key, plan.step, bucket, f"microbatch {m}"))
-                for it in items]
+    def _layout(self, plan: Plan, bucket: int, m: int, segs: list[_Segment], cp: int) -> tuple[list[int], list[int]]:
+        """Real and padded lengths of a microbatch's entries in its packed row (the trailing padding entry included)."""
         mult = 2 * cp if cp > 1 else 1                 # every sequence padded to a multiple of 2*cp (THD with CP)
         seq_len = self.seq_len if self.seq_len is not None or segs else mult   # an empty microbatch: padding
-        ids = [s.ids for s in segs]
-        lengths = [len(x) for x in ids]
+        lengths = [len(s.ids) for s in segs]
         padded = [s.padded if s.padded is not None else -(-n // mult) * mult for s, n in zip(segs, lengths)]
         try:
             length = _row_length(lengths, padded, seq_len, mult)
         except OversizeSampleError as e:
-            names = [str(s.item.key) for s in segs[:6]] + (["..."] if len(segs) > 6 else [])
+            names = [str(s.key) for s in segs[:6]] + (["..."] if len(segs) > 6 else [])
             raise OversizeSampleError(
                 f"step {plan.step}: microbatch {m} of bucket {bucket} holds {sum(padded)} tokens, more than seq_len="
                 f"{self.seq_len} ({len(segs)} sequences: {', '.join(names)}); plan with max_tokens <= seq_len "
                 f"(with cp > 1 every sequence takes a multiple of 2*cp tokens; a sequence spanning k CP ranks takes "
                 f"2*ceil(n / 2k) tokens per rank)") from e
-        arrays = _pack_arrays(ids, lengths, padded, length, self.pad_id, self.ignore_index)   # pack(), in numpy
-        cu = arrays["cu_seqlens_padded"].tolist()         # where each sequence sits in the row
-        spans = []
-        for j, s in enumerate(segs):
-            if s.span is None:
-                continue
-            lo, hi = cu[j], cu[j + 1]
-            for k, v in s.overrides.items():
-                arrays[k][lo:hi] = v
-            spans.append({**s.span, "segment": j, "offset": lo, "length": hi - lo})
-        row: dict = {k: torch.from_numpy(v) for k, v in arrays.items()}
-        row["sample_keys"] = [str(s.item.key) for s in segs]
-        row["spans"] = spans
+        return _entries(lengths, padded, length)
+
+    def _row(self, plan: Plan, segs: list[_Segment], layout: tuple[list[int], list[int]], enc_rank) -> dict:
+        """A microbatch's dict, its per-token fields None until :meth:`_fill` gives them."""
+        real, padded = layout
+        cu_padded = _cumulative(padded)
+        cu = cu_padded.tolist()                          # where each sequence sits in the row
+        row: dict = dict.fromkeys(PER_TOKEN_FIELDS)
+        row["cu_seqlens"] = torch.from_numpy(_cumulative(real))
+        row["cu_seqlens_padded"] = torch.from_numpy(cu_padded)
+        row["max_seqlen"] = torch.from_numpy(np.array(max(real[:len(segs)], default=0), np.int32))
+        row["sample_keys"] = [str(s.key) for s in segs]
+        row["spans"] = [{**s.span, "segment": j, "offset": cu[j], "length": cu[j + 1] - cu[j]}
+                        for j, s in enumerate(segs) if s.span is not None]
         images = [(j, im) for j, s in enumerate(segs) for im in s.images]
         if images:
             row["image_keys"] = [im.key for _, im in images]
-            row["image_grid"] = torch.tensor([im.grid for _, im in images], dtype=torch.int64).reshape(-1, 2)
-            row["image_segments"] = torch.tensor([j for j, _ in images], dtype=torch.int64)
+            row["image_grid"] = _int64([im.grid for _, im in images]).reshape(-1, 2)
+            row["image_segments"] = _int64([j for j, _ in images])
             if self.image_token_id is not None:
                 # start in the packed row (before any CP split); for a CP span, in its sequence's coordinates
-                row["image_positions"] = torch.tensor(
-                    [(im.start if segs[j].span is not None else cu[j] + im.start, im.length) for j, im in images],
-                    dtype=torch.int64).reshape(-1, 2)
-                row["image_patch_offsets"] = torch.tensor([im.patch_offset for _, im in images], dtype=torch.int64)
+                row["image_positions"] = _int64(
+                    [(im.start if segs[j].span is not None else cu[j] + im.start, im.length) for j, im in images]
+                ).reshape(-1, 2)
+                row["image_patch_offsets"] = _int64([im.patch_offset for _, im in images])
             if enc_rank is None:
                 row["pixels"] = [im.pixels for _, im in images]
             else:
-                row["image_encoder_rank"] = torch.tensor(
-                    [self._encoder_rank_of(enc_rank, segs[j].item.key, plan.step) for j, _ in images],
-                    dtype=torch.int64)
-        return row, arrays
+                row["image_encoder_rank"] = _int64(
+                    [self._encoder_rank_of(enc_rank, segs[j].key, plan.step) for j, _ in images])
+        return row
+
+    def _fill(self, rows: list[dict], segs: list[list[_Segment]], layouts: list[tuple[list[int], list[int]]],
+              cp: int) -> list[list[dict]]:
+        """Packs every microbatch of the build in one :func:`~torchdata_overlord.transforms.packing._pack_chunks`
+        pass (per-row numpy calls, not per-token work, dominated a row's cost). With cp == 1 it fills
+        each row's per-token fields (views of the build's arrays) and returns ``[]``; with cp > 1 it
+        returns every row's CP shards, laid out shard after shard, from :meth:`_shards`."""
+        real, padded, segment, row_of = [], [], [], []
+        for m, (ss, (r, p)) in enumerate(zip(segs, layouts)):
+            real += r
+            padded += p
+            segment += [*range(len(ss)), *[-1] * (len(p) - len(ss))]
+            row_of += [m] * len(p)
+        sizes = np.asarray(padded, np.int64)
+        if cp > 1:
+            chunks = _zigzag_chunks(sizes, np.asarray(row_of, np.int64), cp, np.arange(cp))
+            offset = np.concatenate([row["cu_seqlens_padded"].numpy()[:-1] for row in rows]).astype(np.int64)
+        else:
+            chunks, offset = (np.arange(len(padded)), np.zeros(len(padded), np.int64), sizes), None
+        arrays = _pack_chunks([s.ids for ss in segs for s in ss], np.asarray(real, np.int64),
+                              np.asarray(segment, np.int64), *chunks, self.pad_id, self.ignore_index, offset)
+        scalars = [_int64(r) for r in range(cp + 1)]           # cp_rank 0..cp-1, then cp_size
+        splits, at = [], 0
+        for row, ss, (_, p) in zip(rows, segs, layouts):
+            length = sum(p)
+            if cp > 1:
+                splits.append(self._shards(row, arrays, at, length // cp, scalars))
+            else:
+                self._override_spans(arrays, at, ss, row["cu_seqlens_padded"].tolist())
+                row.update({k: torch.from_numpy(arrays[k][at:at + length]) for k in PER_TOKEN_FIELDS})
+            at += length
+        return splits
 
     @staticmethod
-    def _split(row: dict, arrays: dict, cp: int, scalars: dict) -> list[dict]:
-        """Every CP rank's zig-zag shard of a packed row, as :func:`~torchdata_overlord.transforms.split_packed`
-        gives it, taken from the row's numpy arrays: one gather per field in rank-major order, each rank's
-        shard a view of it (the 0-d ``cp_rank``/``cp_size`` shared by its rows)."""
-        order = _cp_order(arrays["cu_seqlens_padded"], cp)
-        n = len(order) // cp
-        gathered = {k: arrays[k][order] for k in PER_TOKEN_FIELDS}
+    def _shards(row: dict, arrays: dict, at: int, n: int, scalars: list) -> list[dict]:
+        """Every CP rank's zig-zag shard of the row whose shards start at ``at`` of the build's arrays
+        (``n`` tokens each), as :func:`~torchdata_overlord.transforms.split_packed` gives it (the 0-d
+        ``cp_rank``/``cp_size`` of ``scalars`` shared by the build's rows)."""
         out = []
-        for r in range(cp):
-            lo, hi = r * n, (r + 1) * n
-            shard = {k: (torch.from_numpy(gathered[k][lo:hi]) if k in gathered else row[k]) for k in _SPLIT_FIELDS}
+        for r in range(len(scalars) - 1):
+            lo = at + r * n
+            shard = {k: torch.from_numpy(arrays[k][lo:lo + n]) for k in PER_TOKEN_FIELDS}
+            shard.update({k: row[k] for k in _ROW_FIELDS})
             shard["cp_rank"], shard["cp_size"], shard["token_index"] = \
-                scalars[r], scalars["size"], torch.from_numpy(order[lo:hi])
+                scalars[r], scalars[-1], torch.from_numpy(arrays["token_index"][lo:lo + n])
             out.append(shard)
         return out
+
+    @staticmethod
+    def _override_spans(arrays: dict, at: int, segs: list[_Segment], cu: list[int]) -> None:
+        """Writes the labels / loss_mask / position_ids of each CP span shard's sequence into the row at ``at``."""
+        for j, s in enumerate(segs):
+            for k, v in s.overrides.items():
+                arrays[k][at + cu[j]:at + cu[j + 1]] = v
 
     def _client_view(self, row: dict, split: dict | None, metadata: bool, last_stage: bool) -> dict:
         out = dict(row)

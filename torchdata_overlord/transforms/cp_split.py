@@ -72,27 +72,33 @@ def _packed_indices(cu_seqlens_padded: np.ndarray, cp: int, rank: int) -> np.nda
     return _chunk_indices(cu_seqlens_padded, cp, np.array([[rank]]))
 
 
-def _cp_order(cu_seqlens_padded: np.ndarray, cp: int) -> np.ndarray:
-    """Every CP rank's :func:`packed_indices` one after another (rank r's are ``out[r*n//cp:(r+1)*n//cp]``):
-    one gather by this order gives every rank's shard as a view (a row split for all ranks at once)."""
-    _check_cp(cp, 0)
-    return _chunk_indices(cu_seqlens_padded, cp, np.arange(cp)[:, None])
-
-
 def _chunk_indices(cu_seqlens_padded: np.ndarray, cp: int, ranks: np.ndarray) -> np.ndarray:
     """Row positions of chunks ``r`` and ``2*cp-1-r`` of every entry, for each r of ``ranks`` (shape (k, 1)) in turn."""
     cu = cu_seqlens_padded.astype(np.int64)
     lens = cu[1:] - cu[:-1]
-    bad = np.flatnonzero(lens % (2 * cp))
+    entry, start, size = _zigzag_chunks(lens, np.zeros(len(lens), np.int64), cp, ranks.reshape(-1))
+    first = np.cumsum(size) - size
+    return np.repeat(cu[:-1][entry] + start - first, size) + np.arange(int(size.sum()), dtype=np.int64)
+
+
+def _zigzag_chunks(lengths: np.ndarray, row: np.ndarray, cp: int,
+                   ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(entry, start, size)`` of the zig-zag chunks of packed entries (``lengths``, each a multiple
+    of 2*cp; ``row``: each entry's row, non-decreasing) that ``ranks`` hold, as their shards lie one
+    after another: row by row, then rank by rank, then entry by entry, chunks ``r`` and ``2*cp-1-r``."""
+    bad = np.flatnonzero(lengths % (2 * cp))
     if len(bad):
         j = int(bad[0])
-        raise ConfigError(f"entry {j} of the packed row is {int(lens[j])} tokens long, not a multiple of 2*cp={2 * cp}; "
+        raise ConfigError(f"entry {j} of the packed row is {int(lengths[j])} tokens long, not a multiple of 2*cp={2 * cp}; "
                           f"pack with sequence_multiple={2 * cp} (or call pad_for_cp(packed, cp)) before splitting")
-    c = lens // (2 * cp)
-    starts = np.stack([cu[:-1] + ranks * c, cu[:-1] + (2 * cp - 1 - ranks) * c], -1).reshape(-1)   # (rank, entry, 2)
-    sizes = np.tile(np.repeat(c, 2), len(ranks))
-    n = int(sizes.sum())
-    return np.repeat(starts - (np.cumsum(sizes) - sizes), sizes) + np.arange(n, dtype=np.int64)
+    c = lengths // (2 * cp)
+    n, k = len(lengths), len(ranks)
+    halves = np.stack([ranks, 2 * cp - 1 - ranks], -1)                        # (rank, 2)
+    key = (row[:, None, None] * k + np.arange(k)[None, :, None]).repeat(2, 2)   # (entry, rank, 2): row, then rank
+    order = np.argsort(key.reshape(-1), kind="stable")
+    entry = np.repeat(np.arange(n), 2 * k)[order]
+    start = (c[:, None, None] * halves[None]).reshape(-1)[order]
+    return entry, start, c[entry]
 
 
 def zigzag_split(tensor: torch.Tensor, cp: int, rank: int, dim: int = -1) -> torch.Tensor:

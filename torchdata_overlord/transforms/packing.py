@@ -21,6 +21,8 @@ Conventions (TransformerEngine THD; all per-token fields have length L):
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import numpy as np
 import torch
 
@@ -100,35 +102,84 @@ def _pack_arrays(seqs: list[np.ndarray], lengths: list[int], padded: list[int], 
     """:func:`pack`'s row as numpy arrays (``length`` >= the padded total): a few whole-row numpy
     operations, whatever the number of sequences (torch's per-call cost, tens of microseconds on a
     small CPU, made a row of sequences cost milliseconds)."""
-    pad = length - sum(padded)
-    real, spans = lengths + ([0] if pad else []), padded + ([pad] if pad else [])
-    cu_seqlens = np.zeros(len(real) + 1, np.int32)
-    cu_padded = np.zeros(len(spans) + 1, np.int32)
-    np.cumsum(real, out=cu_seqlens[1:])
-    np.cumsum(spans, out=cu_padded[1:])
-    # the row as pieces: each sequence's real tokens, then its padding (views of one padding block)
-    fill = np.full(max((p - n for p, n in zip(spans, real)), default=0), pad_id, np.int64)
-    pieces, piece_ids, piece_lens = [], [], []
-    for k, (n, p) in enumerate(zip(real, spans)):
-        if n:
-            pieces.append(seqs[k])
-            piece_ids.append(k)
-            piece_lens.append(n)
-        if p > n:
-            pieces.append(fill[:p - n])
-            piece_ids.append(-1)
-            piece_lens.append(p - n)
-    ids = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
-    segment_ids = np.repeat(np.asarray(piece_ids, np.int64), piece_lens)
-    position_ids = np.arange(length, dtype=np.int64) - np.repeat(cu_padded[:-1].astype(np.int64), spans)
-    # A label is valid when the next token exists, is in the same sequence, and is real.
-    loss_mask = np.zeros(length, bool)
-    np.logical_and(segment_ids[:-1] == segment_ids[1:], segment_ids[:-1] >= 0, out=loss_mask[:-1])
-    labels = np.full(length, ignore_index, np.int64)
-    np.copyto(labels[:-1], ids[1:], where=loss_mask[:-1])
-    return {"input_ids": ids, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
-            "segment_ids": segment_ids, "cu_seqlens": cu_seqlens, "cu_seqlens_padded": cu_padded,
+    real, spans = _entries(lengths, padded, length)
+    n = len(spans)
+    segment = np.arange(n, dtype=np.int64)
+    segment[len(lengths):] = -1
+    row = _pack_chunks(seqs, np.asarray(real, np.int64), segment, np.arange(n), np.zeros(n, np.int64),
+                       np.asarray(spans, np.int64), pad_id, ignore_index)
+    return {**row, "cu_seqlens": _cumulative(real), "cu_seqlens_padded": _cumulative(spans),
             "max_seqlen": np.array(max(lengths, default=0), np.int32)}
+
+
+def _entries(lengths: list[int], padded: list[int], length: int) -> tuple[list[int], list[int]]:
+    """Real and padded lengths of a row's entries: its sequences, then the trailing padding entry
+    (real length 0) when they leave room in the row's ``length``."""
+    pad = length - sum(padded)
+    return (lengths + [0], padded + [pad]) if pad else (lengths, padded)
+
+
+def _cumulative(lengths: list[int]) -> np.ndarray:
+    """``cu_seqlens`` of entry lengths: int32, a leading 0 then the running total."""
+    return np.array(list(accumulate(lengths, initial=0)), np.int32)
+
+
+def _pack_chunks(seqs: list[np.ndarray], real: np.ndarray, segment: np.ndarray, entry: np.ndarray,
+                 start: np.ndarray, size: np.ndarray, pad_id: int, ignore_index: int,
+                 offset: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The per-token fields of chunks of packed entries, one chunk after another: chunk ``i`` holds
+    positions ``start[i]:start[i] + size[i]`` of entry ``entry[i]``, whose real tokens are ``seqs``
+    (one array per entry, ``real`` long; its other positions are padding) and whose segment id is
+    ``segment`` (-1: a padding entry). With ``offset`` (each entry's start in its row), also
+    ``token_index``: each token's position in its row.
+
+    Chunks cover whole rows (:func:`pack`, every row of a build) or their zig-zag CP shards, all in
+    one pass of whole-array operations: each chunk is cut where its entry's trainable tokens, last
+    real token and padding meet, and every field is repeated or gathered over those runs.
+    """
+    n = real[entry]
+    lo, hi = start, start + size
+    last = np.minimum(np.maximum(n - 1, lo), hi)      # each chunk's runs: trainable [lo, last), last real
+    pad = np.minimum(np.maximum(n, lo), hi)           # token [last, pad), padding [pad, hi)
+    at = np.stack([lo, last, pad], 1).reshape(-1)     # run: its first position in its entry
+    lens = np.stack([last - lo, pad - last, hi - pad], 1).reshape(-1)
+    kind = np.tile(np.arange(3), len(entry))          # 0: trainable, 1: last real token, 2: padding
+    e = np.repeat(entry, 3)
+    first = np.cumsum(lens) - lens                    # run: its first place in the output
+    step = _counting(int(size.sum()))
+
+    def counted(base: np.ndarray) -> np.ndarray:      # base[run] + 0, 1, 2, ... along every run
+        out = np.repeat(base - first, lens)
+        return np.add(out, step, out=out)
+
+    # every entry's real tokens, then a padding block (what padding runs read); labels read the next
+    # token, ignore_index at each entry's last real token and on the padding block
+    ends = np.cumsum(real)
+    src = ends - real
+    block = int(lens[kind == 2].max(initial=0))
+    tokens = np.concatenate([*seqs, np.full(block, pad_id, np.int64)])
+    labels = np.empty_like(tokens)
+    labels[:-1] = tokens[1:]
+    labels[ends[real > 0] - 1] = ignore_index
+    labels[len(tokens) - block:] = ignore_index
+    index = counted(np.where(kind < 2, src[e] + at, len(tokens) - block))
+    out = {"input_ids": tokens[index], "labels": labels[index], "loss_mask": np.repeat(kind == 0, lens),
+           "position_ids": counted(at), "segment_ids": np.repeat(np.where(kind < 2, segment[e], -1), lens)}
+    if offset is not None:
+        out["token_index"] = counted(offset[e] + at)
+    return out
+
+
+_STEPS = np.arange(0, dtype=np.int64)
+
+
+def _counting(n: int) -> np.ndarray:
+    """``np.arange(n)`` as a read-only view of one array kept for all calls (grown when too short)."""
+    global _STEPS
+    if len(_STEPS) < n:
+        _STEPS = np.arange(max(n, 2 * len(_STEPS)), dtype=np.int64)
+        _STEPS.flags.writeable = False
+    return _STEPS[:n]
 
 
 def unpack(packed: dict[str, torch.Tensor]) -> list[torch.Tensor]:
