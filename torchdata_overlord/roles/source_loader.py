@@ -36,17 +36,42 @@ log = logging.getLogger("torchdata_overlord")
 _PLACE = object()       # a buffered row's record while a catch-up holds its place only (see catch_up)
 
 
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.nbytes
+
+
+def _dict_bytes(d: dict) -> int:
+    return sum(map(record_bytes, d.values()))
+
+
+def _seq_bytes(s) -> int:
+    return sum(map(record_bytes, s))
+
+
+def _leaf_bytes(_) -> int:
+    return 8
+
+
+def _sizer(value: Any):
+    """How :func:`record_bytes` sizes ``value``: tensor storage, the sum over a container, a length, or 8."""
+    if isinstance(value, torch.Tensor):
+        return _tensor_bytes
+    if isinstance(value, dict):
+        return _dict_bytes
+    if isinstance(value, (list, tuple)):
+        return _seq_bytes
+    if isinstance(value, (bytes, bytearray, str)):
+        return len
+    return _leaf_bytes
+
+
+# the usual exact types, sized without the isinstance chain (isinstance(x, torch.Tensor) costs ~0.3 us)
+_SIZERS = {type(v): _sizer(v) for v in (torch.empty(0), {}, [], (), "", b"", bytearray(), 0, 0.0, False, None)}
+
+
 def record_bytes(record: Any) -> int:
     """Approximate bytes of a sample record (tensor storage, strings, 8 per other leaf)."""
-    if isinstance(record, torch.Tensor):
-        return record.nbytes
-    if isinstance(record, dict):
-        return sum(record_bytes(v) for v in record.values())
-    if isinstance(record, (list, tuple)):
-        return sum(record_bytes(v) for v in record)
-    if isinstance(record, (bytes, bytearray, str)):
-        return len(record)
-    return 8
+    return (_SIZERS.get(type(record)) or _sizer(record))(record)
 
 
 def _same_state(a: Any, b: Any) -> bool:
