@@ -73,7 +73,8 @@ class _Ops:
 
 def _merge_lists(sa, sb, ta, tb, cap):
     """Largest sums of ``sa`` with the smallest of ``sb`` (ties in slot order): (sums, token sums,
-    order of a's slots, order of b's), or None when a pair overflows ``cap`` (to be repaired)."""
+    order of a's slots, order of b's, spread of the sums), or None when a pair overflows ``cap`` (to be
+    repaired)."""
     r = range(len(sa))
     oa = sorted(r, key=sa.__getitem__, reverse=True)
     ob = sorted(r, key=sb.__getitem__)
@@ -82,7 +83,8 @@ def _merge_lists(sa, sb, ta, tb, cap):
         tt = [ta[x] + tb[y] for x, y in zip(oa, ob)]
         if max(tt) > cap:
             return None
-    return [sa[x] + sb[y] for x, y in zip(oa, ob)], tt, oa, ob
+    new = [sa[x] + sb[y] for x, y in zip(oa, ob)]
+    return new, tt, oa, ob, max(new) - min(new)
 
 
 def _merge_arrays(sa, sb, ta, tb, cap):
@@ -93,7 +95,8 @@ def _merge_arrays(sa, sb, ta, tb, cap):
         tt = ta[oa] + tb[ob]
         if (tt > cap).any():
             return None
-    return sa[oa] + sb[ob], tt, oa, ob
+    new = sa[oa] + sb[ob]
+    return new, tt, oa, ob, new.max() - new.min()
 
 
 def _scatter_list(up, order):
@@ -129,7 +132,8 @@ def _repaired(ops, sa, sb, ta, tb, cap):
     if not _repair(np.asarray(ops.take(sa, oa)), np.asarray(ops.take(ta, oa)), np.asarray(ops.take(tb, ob)), pi, cap):
         return None
     ob = ops.take(ob, pi)
-    return ops.add(ops.take(sa, oa), ops.take(sb, ob)), ops.add(ops.take(ta, oa), ops.take(tb, ob)), oa, ob
+    new = ops.add(ops.take(sa, oa), ops.take(sb, ob))
+    return new, ops.add(ops.take(ta, oa), ops.take(tb, ob)), oa, ob, ops.spread(new)
 
 
 def _small(k: int) -> bool:
@@ -222,10 +226,11 @@ def _differencing(p: BinProblem, order: np.ndarray, per_row: int) -> BinAssignme
     while len(heap) > 1:
         a = pop(heap)[1]
         b = pop(heap)[1]
-        for i in (a, b):                     # bring partitions untouched since a growth up to width
-            if width[i] < n_bins:
-                sums[i], toks[i] = pad(sums[i], n_bins - width[i]), pad(toks[i], n_bins - width[i])
-                width[i] = n_bins
+        if width[a] < n_bins or width[b] < n_bins:
+            for i in (a, b):                 # bring partitions untouched since a growth up to width
+                if width[i] < n_bins:
+                    sums[i], toks[i] = pad(sums[i], n_bins - width[i]), pad(toks[i], n_bins - width[i])
+                    width[i] = n_bins
         got = merge(sums[a], sums[b], toks[a], toks[b], cap) or _repaired(ops, sums[a], sums[b], toks[a], toks[b], cap)
         if got is None:
             if p.grow <= 0:
@@ -234,14 +239,14 @@ def _differencing(p: BinProblem, order: np.ndarray, per_row: int) -> BinAssignme
             push(heap, (-spread(sums[a]), a))
             push(heap, (-spread(sums[b]), b))
             continue
-        new, tnew, ord_a, ord_b = got
+        new, tnew, ord_a, ord_b, gap = got
         parent = len(sums)
         sums.append(new)
         toks.append(tnew)                    # token sums matter only under a cap (else None)
         width.append(n_bins)
         merges.append((a, b, parent, ord_a, ord_b))
         sums[a] = sums[b] = toks[a] = toks[b] = None      # free memory as we go
-        push(heap, (-spread(new), parent))
+        push(heap, (-gap, parent))
 
     # Walk the merge tree down: final slot of every slot of every partition.
     root = heap[0][1]
