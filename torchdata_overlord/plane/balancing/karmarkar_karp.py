@@ -118,11 +118,13 @@ _LIST_OPS = _Ops(vec=lambda x: np.asarray(x).tolist(), rows=lambda m: m.tolist()
                  desc=lambda x: sorted(range(len(x)), key=x.__getitem__, reverse=True),
                  asc=lambda x: sorted(range(len(x)), key=x.__getitem__),
                  take=lambda x, o: [x[i] for i in o], add=lambda x, y: [u + v for u, v in zip(x, y)],
-                 pad=lambda x, m: x + [0] * m, merge=_merge_lists, scatter=_scatter_list)
+                 pad=lambda x, m: x + [0] * m, merge=_merge_lists, scatter=_scatter_list,
+                 where0=lambda o: o.index(0))
 _NUMPY_OPS = _Ops(vec=np.asarray, rows=list, spread=lambda x: x.max() - x.min(),
                   desc=lambda x: np.argsort(-x, kind="stable"), asc=lambda x: np.argsort(x, kind="stable"),
                   take=lambda x, o: x[np.asarray(o)], add=np.add,
-                  pad=lambda x, m: np.append(x, np.zeros(m, x.dtype)), merge=_merge_arrays, scatter=_scatter_array)
+                  pad=lambda x, m: np.append(x, np.zeros(m, x.dtype)), merge=_merge_arrays, scatter=_scatter_array,
+                  where0=lambda o: int(np.flatnonzero(o == 0)[0]))
 
 
 def _repaired(ops, sa, sb, ta, tb, cap):
@@ -248,21 +250,26 @@ def _differencing(p: BinProblem, order: np.ndarray, per_row: int) -> BinAssignme
         sums[a] = sums[b] = toks[a] = toks[b] = None      # free memory as we go
         push(heap, (-gap, parent))
 
-    # Walk the merge tree down: final slot of every slot of every partition.
+    # Walk the merge tree down: final slot of every slot of every partition (of a singleton's item only).
     root = heap[0][1]
     final = {root: ops.vec(np.arange(n_bins))}
     scatter = ops.scatter
+    leaf = rows if per_row == 1 else 0       # partitions 1..leaf are singletons: their item is in slot 0
     for a, b, parent, ord_a, ord_b in reversed(merges):
         up = final.pop(parent)
-        final[a], final[b] = scatter(up, ord_a), scatter(up, ord_b)
+        final[a] = [up[ops.where0(ord_a)]] if 0 < a <= leaf else scatter(up, ord_a)
+        final[b] = [up[ops.where0(ord_b)]] if 0 < b <= leaf else scatter(up, ord_b)
     bin_of_slot = np.empty(n_bins, np.int64)
     anchor = np.asarray(final[0][:k], np.int64)
     bin_of_slot[anchor] = np.arange(k)                     # original bins keep their numbers
     if n_bins > k:
         opened = np.setdiff1d(np.arange(n_bins), anchor)
         bin_of_slot[opened] = np.arange(k, n_bins)         # opened bins are numbered after them
-    slots = np.array([final[r + 1][:k] for r in range(rows)], np.int64).reshape(rows, k)
-    members = grid < n
     bins = np.empty(n, np.int64)
-    bins[grid[members]] = bin_of_slot[slots[members]]
+    if leaf:
+        bins[:] = bin_of_slot[[final[r + 1][0] for r in range(n)]]
+    else:
+        slots = np.array([final[r + 1][:k] for r in range(rows)], np.int64).reshape(rows, k)
+        members = grid < n
+        bins[grid[members]] = bin_of_slot[slots[members]]
     return BinAssignment(bins, n_bins)
