@@ -71,17 +71,46 @@ class _Ops:
         self.__dict__.update(fns)
 
 
-def _inverse_list(order):
-    inv = [0] * len(order)
-    for j, o in enumerate(order):
-        inv[o] = j
-    return inv
+def _merge_lists(sa, sb, ta, tb, cap):
+    """Largest sums of ``sa`` with the smallest of ``sb`` (ties in slot order): (sums, token sums,
+    order of a's slots, order of b's, spread of the sums), or None when a pair overflows ``cap`` (to be
+    repaired)."""
+    r = range(len(sa))
+    oa = sorted(r, key=sa.__getitem__, reverse=True)
+    ob = sorted(r, key=sb.__getitem__)
+    tt = None
+    if cap is not None:
+        tt = [ta[x] + tb[y] for x, y in zip(oa, ob)]
+        if max(tt) > cap:
+            return None
+    new = [sa[x] + sb[y] for x, y in zip(oa, ob)]
+    return new, tt, oa, ob, max(new) - min(new)
 
 
-def _inverse_array(order):
-    inv = np.empty(len(order), np.int64)
-    inv[order] = np.arange(len(order))
-    return inv
+def _merge_arrays(sa, sb, ta, tb, cap):
+    """:func:`_merge_lists` on numpy arrays."""
+    oa, ob = np.argsort(-sa, kind="stable"), np.argsort(sb, kind="stable")
+    tt = None
+    if cap is not None:
+        tt = ta[oa] + tb[ob]
+        if (tt > cap).any():
+            return None
+    new = sa[oa] + sb[ob]
+    return new, tt, oa, ob, new.max() - new.min()
+
+
+def _scatter_list(up, order):
+    """``out[order[p]] = up[p]``: the final slot of each of a child's slots, from its merged positions'."""
+    out = [0] * len(order)
+    for p, s in enumerate(order):
+        out[s] = up[p]
+    return out
+
+
+def _scatter_array(up, order):
+    out = np.empty(len(order), np.int64)
+    out[order] = up[:len(order)]
+    return out
 
 
 # Few bins: Python lists beat numpy, whose per-call cost dominates sorting 4 or 8 numbers.
@@ -89,11 +118,24 @@ _LIST_OPS = _Ops(vec=lambda x: np.asarray(x).tolist(), rows=lambda m: m.tolist()
                  desc=lambda x: sorted(range(len(x)), key=x.__getitem__, reverse=True),
                  asc=lambda x: sorted(range(len(x)), key=x.__getitem__),
                  take=lambda x, o: [x[i] for i in o], add=lambda x, y: [u + v for u, v in zip(x, y)],
-                 pad=lambda x, m: x + [0] * m, inverse=_inverse_list)
+                 pad=lambda x, m: x + [0] * m, merge=_merge_lists, scatter=_scatter_list,
+                 where0=lambda o: o.index(0))
 _NUMPY_OPS = _Ops(vec=np.asarray, rows=list, spread=lambda x: x.max() - x.min(),
                   desc=lambda x: np.argsort(-x, kind="stable"), asc=lambda x: np.argsort(x, kind="stable"),
                   take=lambda x, o: x[np.asarray(o)], add=np.add,
-                  pad=lambda x, m: np.append(x, np.zeros(m, x.dtype)), inverse=_inverse_array)
+                  pad=lambda x, m: np.append(x, np.zeros(m, x.dtype)), merge=_merge_arrays, scatter=_scatter_array,
+                  where0=lambda o: int(np.flatnonzero(o == 0)[0]))
+
+
+def _repaired(ops, sa, sb, ta, tb, cap):
+    """The merge whose pairing overflowed ``cap``, repaired by :func:`_repair`; None when no swap fits."""
+    oa, ob = ops.desc(sa), ops.asc(sb)
+    pi = np.arange(len(oa))
+    if not _repair(np.asarray(ops.take(sa, oa)), np.asarray(ops.take(ta, oa)), np.asarray(ops.take(tb, ob)), pi, cap):
+        return None
+    ob = ops.take(ob, pi)
+    new = ops.add(ops.take(sa, oa), ops.take(sb, ob))
+    return new, ops.add(ops.take(ta, oa), ops.take(tb, ob)), oa, ob, ops.spread(new)
 
 
 def _small(k: int) -> bool:
@@ -176,55 +218,58 @@ def _differencing(p: BinProblem, order: np.ndarray, per_row: int) -> BinAssignme
     sums = [ops.vec(loads)] + ops.rows(cost_of[grid])
     toks = [ops.vec(tload)] + ops.rows(tok_of[grid]) if p.cap is not None else [None] * (rows + 1)
     width = [k] * (rows + 1)                 # slots each partition had when it was last touched
-    heap = [(-ops.spread(s_), i) for i, s_ in enumerate(sums)]
+    spread, merge, pad = ops.spread, ops.merge, ops.pad
+    heap = [(-spread(s_), i) for i, s_ in enumerate(sums)]
     heapq.heapify(heap)
-    merges = []                              # (child_a, child_b, parent, slot maps of a and b)
+    pop, push = heapq.heappop, heapq.heappush
+    merges = []                              # (child_a, child_b, parent, slot orders of a and b)
     n_bins = k
     cap = p.cap
     while len(heap) > 1:
-        _, a = heapq.heappop(heap)
-        _, b = heapq.heappop(heap)
-        for i in (a, b):                     # bring partitions untouched since a growth up to width
-            if width[i] < n_bins:
-                sums[i], toks[i] = ops.pad(sums[i], n_bins - width[i]), ops.pad(toks[i], n_bins - width[i])
-                width[i] = n_bins
-        ord_a, ord_b = ops.desc(sums[a]), ops.asc(sums[b])
-        if cap is not None:
-            ta, tb = ops.take(toks[a], ord_a), ops.take(toks[b], ord_b)
-            if any(x + y > cap for x, y in zip(ta, tb)):
-                pi = np.arange(n_bins)
-                if not _repair(np.asarray(ops.take(sums[a], ord_a)), np.asarray(ta), np.asarray(tb), pi, cap):
-                    if p.grow <= 0:
-                        raise ConfigError(f"karmarkar_karp cannot fit the items under max_tokens={cap} in {n_bins} bins")
-                    n_bins += p.grow         # open empty bins; partitions catch up when next merged
-                    for i in (a, b):
-                        heapq.heappush(heap, (-ops.spread(sums[i]), i))
-                    continue
-                ord_b = ops.take(ord_b, pi)
-        new = ops.add(ops.take(sums[a], ord_a), ops.take(sums[b], ord_b))
+        a = pop(heap)[1]
+        b = pop(heap)[1]
+        if width[a] < n_bins or width[b] < n_bins:
+            for i in (a, b):                 # bring partitions untouched since a growth up to width
+                if width[i] < n_bins:
+                    sums[i], toks[i] = pad(sums[i], n_bins - width[i]), pad(toks[i], n_bins - width[i])
+                    width[i] = n_bins
+        got = merge(sums[a], sums[b], toks[a], toks[b], cap) or _repaired(ops, sums[a], sums[b], toks[a], toks[b], cap)
+        if got is None:
+            if p.grow <= 0:
+                raise ConfigError(f"karmarkar_karp cannot fit the items under max_tokens={cap} in {n_bins} bins")
+            n_bins += p.grow                 # open empty bins; partitions catch up when next merged
+            push(heap, (-spread(sums[a]), a))
+            push(heap, (-spread(sums[b]), b))
+            continue
+        new, tnew, ord_a, ord_b, gap = got
         parent = len(sums)
         sums.append(new)
-        # token sums matter only under a cap
-        toks.append(None if cap is None else ops.add(ops.take(toks[a], ord_a), ops.take(toks[b], ord_b)))
+        toks.append(tnew)                    # token sums matter only under a cap (else None)
         width.append(n_bins)
-        merges.append((a, b, parent, ops.inverse(ord_a), ops.inverse(ord_b)))
+        merges.append((a, b, parent, ord_a, ord_b))
         sums[a] = sums[b] = toks[a] = toks[b] = None      # free memory as we go
-        heapq.heappush(heap, (-ops.spread(new), parent))
+        push(heap, (-gap, parent))
 
-    # Walk the merge tree down: final slot of every slot of every partition.
+    # Walk the merge tree down: final slot of every slot of every partition (of a singleton's item only).
     root = heap[0][1]
     final = {root: ops.vec(np.arange(n_bins))}
-    for a, b, parent, map_a, map_b in reversed(merges):
+    scatter = ops.scatter
+    leaf = rows if per_row == 1 else 0       # partitions 1..leaf are singletons: their item is in slot 0
+    for a, b, parent, ord_a, ord_b in reversed(merges):
         up = final.pop(parent)
-        final[a], final[b] = ops.take(up, map_a), ops.take(up, map_b)
+        final[a] = [up[ops.where0(ord_a)]] if 0 < a <= leaf else scatter(up, ord_a)
+        final[b] = [up[ops.where0(ord_b)]] if 0 < b <= leaf else scatter(up, ord_b)
     bin_of_slot = np.empty(n_bins, np.int64)
     anchor = np.asarray(final[0][:k], np.int64)
     bin_of_slot[anchor] = np.arange(k)                     # original bins keep their numbers
     if n_bins > k:
         opened = np.setdiff1d(np.arange(n_bins), anchor)
         bin_of_slot[opened] = np.arange(k, n_bins)         # opened bins are numbered after them
-    slots = np.array([final[r + 1][:k] for r in range(rows)], np.int64).reshape(rows, k)
-    members = grid < n
     bins = np.empty(n, np.int64)
-    bins[grid[members]] = bin_of_slot[slots[members]]
+    if leaf:
+        bins[:] = bin_of_slot[[final[r + 1][0] for r in range(n)]]
+    else:
+        slots = np.array([final[r + 1][:k] for r in range(rows)], np.int64).reshape(rows, k)
+        members = grid < n
+        bins[grid[members]] = bin_of_slot[slots[members]]
     return BinAssignment(bins, n_bins)
