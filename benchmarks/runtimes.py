@@ -12,9 +12,8 @@ prints its result as JSON on stdout. Same number of processes, three in all:
 * ``local``: one process; ``OverlordLoader(runtime="local", workers=2)`` (a 2-thread transform pool per
   source, sources filled one after another, planning/packing in the prefetch thread);
 * ``rpc``: the main process + ``n_workers=2`` RPC worker processes holding the Planner, the four Source
-  Loaders and the two Data Constructors (one per DP group), placed over the two by the default measured
-  placement (each source's transform cost x mixture weight; it also sets each loader's transform
-  workers); samples go loader -> constructor -> trainer.
+  Loaders and the two Data Constructors (one per DP group), ``workers=0`` in each Source Loader (one
+  transform at a time per actor); samples go loader -> constructor -> trainer.
 
 The OverlordLoader runs plan a ``dp=2, cp=2`` mesh (Karmarkar-Karp on attention FLOPs, 4 microbatches)
 with ``rank=None``: every rank's output is built and consumed in the trainer process, so every run
@@ -167,9 +166,9 @@ def pct(xs, q) -> float:
 
 
 def runtime_kwargs(runtime: str) -> dict:
-    """3 processes for rpc (the trainer + WORKERS role workers, placed by measured cost); a WORKERS-thread
-    transform pool per source for local."""
-    return {"n_workers": WORKERS} if runtime == "rpc" else {"workers": WORKERS}
+    """3 processes for rpc (the trainer + WORKERS role workers, one transform at a time per Source Loader);
+    a WORKERS-thread transform pool per source for local."""
+    return {"n_workers": WORKERS, "workers": 0} if runtime == "rpc" else {"workers": WORKERS}
 
 
 def overlord_loader(runtime: str, corpus, a: dict, prefetch: int = TARGET["prefetch"],

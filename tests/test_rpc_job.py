@@ -519,21 +519,3 @@ def test_default_placement_shares_the_free_cores_and_isolates_roles_under_fault_
     assert kept.default_workers() == roles
     shadowed = RoleConfig(make_sources(corpus), vlm_strategy, make_mesh(), 8, None, shadows=True)
     assert shadowed.default_workers() == len(shadowed.roles) == 7
-
-
-@pytest.mark.parametrize("n_workers", [1, 2, 3])
-def test_n_workers_gives_the_measured_placement_that_many_processes(corpus, n_workers):
-    """``n_workers=N`` with the default ``placement="auto"``: the sources are measured and the roles
-    partitioned over N processes (not round robin); ``placement=None`` keeps round robin, and a bad
-    ``n_workers`` is refused before anything is measured."""
-    args = (make_sources(corpus), vlm_strategy, make_mesh(), 8, 0, None, None, None, False)
-    plan = RpcJob._placement("auto", *args, n_workers, 1, starts_roles=True)
-    assert plan is not None and plan.method == "auto" and plan.processes == n_workers
-    assert plan.budget["cores"] == n_workers
-    from torchdata_overlord.runtime.job_config import RoleConfig
-    where = RoleConfig(make_sources(corpus), vlm_strategy, make_mesh(), 8, None, plan=plan).placement(n_workers)
-    assert set(where.values()) == set(range(n_workers))           # every process hosts a role
-    assert RpcJob._placement(None, *args, n_workers, 1, starts_roles=True) is None
-    assert RpcJob._placement("auto", *args, n_workers, 2, starts_roles=True) is None      # actors= given
-    with pytest.raises(ol.ConfigError, match="n_workers must be an integer >= 1"):
-        RpcJob(make_sources(corpus), vlm_strategy, make_mesh(), 8, None, n_workers=0)

@@ -110,9 +110,8 @@ class OverlordLoader:
     bytes; journaled, so a restart over unchanged files reuses it) and gives each source data-parallel
     actors and transform workers by its share of the mixture's cost, packed into as few processes as
     the cores this process leaves free (see :mod:`torchdata_overlord.scaling`; ``loader.placement.render()``
-    says where and why); ``n_workers=N`` gives that placement N processes instead of the free cores;
-    a :class:`~torchdata_overlord.scaling.Placement` places by hand; ``placement=None`` puts one actor per
-    source round robin on the ``n_workers`` processes. With a profiled
+    says where and why); a :class:`~torchdata_overlord.scaling.Placement` places by hand;
+    ``n_workers=N`` puts one actor per source round robin on N processes, as before. With a profiled
     placement, ``autoscale=True`` (default; or a :class:`~torchdata_overlord.scaling.AutoScaler`) lets the
     Planner add loader actors to a source whose share of the mixture grows and take them back when it
     falls, resharding its unread row groups live (the batches do not change); with ``group=`` (a ``torch.distributed``

@@ -52,9 +52,7 @@ class RpcJob(Job):
     checkpoint_dir=None, snapshot_every=10, shadows=False, recovery_timeout=120)``:
     LocalJob's API (``step``, ``submit``, ``state_dict``, ``load_state_dict``, ``add_feedback``,
     ``step_index``, ``stats``, ``close``, context manager) with the roles in worker processes.
-    ``placement="auto"`` over Source objects measures them and places the roles on ``n_workers``
-    processes (None: the cores this process leaves free); otherwise the roles go round robin over
-    ``n_workers`` (None: :meth:`~.job_config.RoleConfig.default_workers`). ``spares`` more worker
+    ``n_workers=None``: see :meth:`~.job_config.RoleConfig.default_workers`; ``spares`` more worker
     processes start with the group and stay idle (RPC membership is fixed at start: a replacement
     must exist then).
     ``checkpoint_dir``, ``snapshot_every`` and ``shadows`` make failed roles replaceable (see
@@ -79,9 +77,6 @@ class RpcJob(Job):
                 raise ConfigError("group= needs torch.distributed initialised (init_process_group) in every trainer")
             self._pg = None if group in (True, "default") else group
             clients = dist.get_world_size(self._pg)
-        if n_workers is not None and (isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1):
-            raise ConfigError(f"n_workers must be an integer >= 1 (or None: see RoleConfig.default_workers), got "
-                              f"{n_workers!r}")
         sources = list(sources)
         starts_roles = transport is None and address is None and self._rank(group) == 0
         if starts_roles:
@@ -95,10 +90,11 @@ class RpcJob(Job):
                          image_token_id, pad_id, ignore_index, constructors, clients, timeout, checkpoint_dir,
                          snapshot_every, bool(shadows), actors=actors, plan=plan, autoscale=autoscale)
         self.placement = plan
-        if plan is not None:
-            n_workers = plan.processes
-        elif n_workers is None:
-            n_workers = cfg.default_workers()
+        if n_workers is None:
+            n_workers = plan.processes if plan is not None else cfg.default_workers()
+        if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
+            raise ConfigError(f"n_workers must be an integer >= 1 (or None: see RoleConfig.default_workers), got "
+                              f"{n_workers!r}")
         super().__init__(cfg, timeout=timeout, recovery_timeout=recovery_timeout, n_workers=n_workers, spares=spares)
         together = cfg.shadows_beside_primaries(n_workers) if transport is None and address is None else []
         if together:
@@ -145,9 +141,8 @@ class RpcJob(Job):
     def _placement(placement, sources, strategy, mesh, global_batch, seed, constructors, buffer_size, checkpoint_dir,
                    shadows, n_workers, actors, starts_roles):
         """The :class:`~torchdata_overlord.scaling.Placement` this process starts the roles with: the one
-        given, or ``"auto"``'s (measured, on ``n_workers`` processes when given, else on the cores this
-        process leaves free) when this process starts the roles and ``actors`` does not override it;
-        None: round robin over ``n_workers`` (see ``RoleConfig.placement``)."""
+        given, or ``"auto"``'s (measured) when this process starts the roles and neither ``n_workers`` nor
+        ``actors`` overrides it; None: round robin over ``n_workers`` (see ``RoleConfig.placement``)."""
         from ..scaling import Placement
         if placement is None or isinstance(placement, Placement):
             if placement is not None and (n_workers is not None or actors != 1):
@@ -156,7 +151,7 @@ class RpcJob(Job):
         if placement != "auto":
             raise ConfigError(f"placement must be 'auto', a torchdata_overlord.scaling.Placement or None (round robin "
                               f"over n_workers), got {placement!r}")
-        if actors != 1 or not starts_roles:
+        if n_workers is not None or actors != 1 or not starts_roles:
             return None
         from ..sources.base import Source
         if not all(isinstance(s, Source) for s in sources):
@@ -165,8 +160,8 @@ class RpcJob(Job):
         from ..scaling.auto import auto_placement
         dp = mesh.sizes.get("dp", 1)
         return auto_placement(sources, strategy, mesh, global_batch, seed, constructors or dp,
-                              cores=n_workers or max(1, usable_cores() - 1), shadows=shadows,
-                              checkpoint_dir=checkpoint_dir, buffer_size=buffer_size)
+                              cores=max(1, usable_cores() - 1), shadows=shadows, checkpoint_dir=checkpoint_dir,
+                              buffer_size=buffer_size)
 
     def _fit_workers(self) -> None:
         """A job sharing this process's RPC group with another (see rpc_session) places its roles and

@@ -6,10 +6,9 @@ each role process's CPU time and memory. The fault tests and ``benchmarks/fault_
     python -m torchdata_overlord.sim.fault_run CONFIG.json OUT.json
 
 CONFIG: corpus root, number of sources (2: web+caps; 10: partitions of the four corpus sources),
-steps, prefetch, trainer work per step (matmuls, not sleeps), spares, call timeout, ``n_workers``
-(round robin over that many processes) or ``placement`` (a
-:class:`~torchdata_overlord.scaling.Placement`'s ``to_dict()``; neither: the default, ``"auto"``), and
-``faults``:
+steps, prefetch, trainer work per step (matmuls, not sleeps), spares, call timeout, ``n_workers`` or
+``placement`` (a :class:`~torchdata_overlord.scaling.Placement`'s ``to_dict()``; neither: the default,
+``"auto"``), and ``faults``:
 ``[{"step": k, "kill"|"freeze"|"corrupt": [roles or checkpoint keys], "spare": [spare indices]}]``
 applied right after the trainer consumed step k (``skip_missing``: a kill of a role that serves
 nowhere at that moment is reported, not an error); ``roles_at[k]`` is every role's pid just before.
@@ -110,14 +109,6 @@ def kill(loader, step: int, roles: list, spares: list, skip_missing: bool) -> li
     return events
 
 
-def placement(cfg: dict):
-    """The run's placement: the one given, else round robin over ``n_workers`` (the layouts the fault
-    tests are about), else ``"auto"``."""
-    if cfg.get("placement"):
-        return Placement.from_dict(cfg["placement"])
-    return None if cfg.get("n_workers") else "auto"
-
-
 def main(cfg_path: str, out_path: str) -> None:
     cfg = json.load(open(cfg_path))
     torch.set_num_threads(1)
@@ -132,7 +123,8 @@ def main(cfg_path: str, out_path: str) -> None:
                                global_batch=cfg.get("global_batch", 8), seq_len=None,
                                image_token_id=corpus.image_token_id, runtime="rpc", prefetch=cfg.get("prefetch", 2),
                                spares=cfg.get("spares", 2), fault_tolerance=ft, timeout=120,
-                               n_workers=cfg.get("n_workers"), placement=placement(cfg))
+                               n_workers=cfg.get("n_workers"),
+                               placement=Placement.from_dict(cfg["placement"]) if cfg.get("placement") else "auto")
     frozen = []
     t0 = time.monotonic()
     try:
