@@ -239,8 +239,7 @@ def run_overlord(runtime: str, corpus, a: dict) -> dict:
         lat["wait_p50_ms_per_microbatch"] = lat["wait_p50_ms"] / MICROBATCHES
         lat["wait_p99_ms_per_microbatch"] = lat["wait_p99_ms"] / MICROBATCHES
     return {"runtime": runtime, "processes": 1 + (WORKERS if runtime == "rpc" else 0),
-            "workers": kw, "placement": None if loader.placement is None else loader.placement.render(),
-            "mesh": MESH, "rank": None, "startup_s": first, "construct_s": t_built - t_start,
+            "workers": kw, "mesh": MESH, "rank": None, "startup_s": first, "construct_s": t_built - t_start,
             **thr, "latency": lats[0], "latencies": lats,
             "prefetch_sweep": {str(p): sweep[p] for p in sorted(sweep)}}
 
@@ -506,8 +505,7 @@ def main(argv=None) -> int:
            "labels": RUNS,
            "processes_note": ("DataLoader and rpc use 3 processes each: DataLoader = main + 2 worker processes (each opens every source, "
                               "files sharded); rpc = main + 2 RPC workers (Planner, 4 Source Loaders, 2 Data Constructors "
-                              "as actors, placed over the two by the default measured placement: the rpc run's "
-                              "'placement'); local = 1 process with a "
+                              "as actors, one transform at a time per Source Loader); local = 1 process with a "
                               "2-thread transform pool per source (fewer processes, GIL-bound transforms)."),
            "transport_note": ("hand-over = wall time per step of moving the planned samples from the Source Loaders "
                               "to the Data Constructors (rpc: each loader's put RPCs until every constructor answered, "
