@@ -454,6 +454,68 @@ def test_lockstep_lower_bound_sees_items_that_cannot_share_a_bin():
         lockstep_lower_bound(costs, 4, tokens, 0)
 
 
+def _optimal_lockstep(costs, tokens, B, cap):
+    """The least lockstep cost over every partition of the items into bins of at most ``cap`` tokens, any
+    number of rows: a partition's best rows are its bins sorted by load, cut every ``B``."""
+    best = float("inf")
+
+    def walk(i, bins, used):
+        nonlocal best
+        if i == len(costs):
+            loads = sorted(bins, reverse=True)
+            best = min(best, sum(loads[::B]))
+            return
+        for k in range(len(bins)):
+            if used[k] + tokens[i] <= cap:
+                bins[k] += costs[i]
+                used[k] += tokens[i]
+                walk(i + 1, bins, used)
+                bins[k] -= costs[i]
+                used[k] -= tokens[i]
+        walk(i + 1, bins + [costs[i]], used + [tokens[i]])
+
+    walk(0, [], [])
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 7), B=st.integers(1, 3), seed=st.integers(0, 2**16),
+       kind=st.sampled_from(["flops", "random", "equal"]))
+def test_lockstep_lower_bound_never_exceeds_the_optimum(n, B, seed, kind):
+    """Against the exact optimum of small instances (every partition enumerated): the bound is a lower
+    bound, and the dense-fill part makes it reach the optimum where a forced row cannot be filled."""
+    from torchdata_overlord.plane.balancing.bound import lockstep_lower_bound
+
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, 100, n)
+    cap = int(rng.integers(tokens.max(), 2 * tokens.max() + 1))
+    costs = {"flops": flops(tokens), "random": rng.pareto(1.1, n) * 50 + rng.random(n),
+             "equal": np.full(n, 3.0)}[kind]
+    bound = lockstep_lower_bound(costs, B, tokens, cap)
+    assert bound <= _optimal_lockstep(costs.tolist(), tokens.tolist(), B, cap) * (1 + 1e-9)
+
+
+def test_lockstep_lower_bound_counts_what_a_forced_row_cannot_hold():
+    """Two buckets of cap 100: one item of 100 tokens costing 100, and thirty of 10 tokens costing 1.
+    The big item's row has maximum >= 100, but its other bin holds at most ten small items (10 of
+    cost): the other twenty need rows of their own, at least 20 / 2 more. A layout of 110 exists (row 1:
+    the big item | ten small; row 2: ten | ten), so 110 is the optimum; total / buckets says 65 and the
+    forced rows 101. With five small items of 20 tokens costing 10 (checked against every partition) the
+    big item's row takes them all: 100."""
+    from torchdata_overlord.plane.balancing.bound import lockstep_lower_bound, simple_bound
+
+    costs = np.array([100.0] + [1.0] * 30)
+    tokens = np.array([100] + [10] * 30)
+    assert simple_bound(costs, 2) == pytest.approx(100)
+    bins = np.array([0] + [1] * 10 + [2] * 10 + [3] * 10)          # rows of 2 bins: (0, 1), (2, 3)
+    assert _lockstep_of(costs, tokens, bins, 2, 100) == pytest.approx(110)
+    assert lockstep_lower_bound(costs, 2, tokens, 100) == pytest.approx(110)
+
+    costs, tokens = np.array([100.0] + [10.0] * 5), np.array([100] + [20] * 5)
+    assert _optimal_lockstep(costs.tolist(), tokens.tolist(), 2, 100) == pytest.approx(100)
+    assert lockstep_lower_bound(costs, 2, tokens, 100) == pytest.approx(100)
+
+
 @st.composite
 def layout_case(draw):
     """Heavy-tailed items (squared Pareto 1.1 costs, attention-like), few per bin, some levels and caps."""
