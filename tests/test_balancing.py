@@ -516,6 +516,45 @@ def test_lockstep_lower_bound_counts_what_a_forced_row_cannot_hold():
     assert lockstep_lower_bound(costs, 2, tokens, 100) == pytest.approx(100)
 
 
+def test_both_levels_fill_the_rows_a_heavy_item_forces():
+    """Buckets {10, 1, 1} and {5, 4, 3} (the only equal split), two microbatches: balanced on its own the
+    second bucket is 7 | 5 and the lockstep cost 10 + 5; filled towards the first bucket's profile it is
+    9 | 3 and the cost 10 + 3, the least these buckets allow. Bucket contents and totals do not move."""
+    costs = np.array([10.0, 1, 1, 5, 4, 3])
+    tokens = np.ones(6, np.int64)
+    for method in ("greedy", "karmarkar_karp"):
+        pl = place(costs, tokens, n_buckets=2, microbatches=2, method=method, cap=None, level="both")
+        loads = np.zeros((pl.n_microbatches, 2))
+        np.add.at(loads, (pl.mb, pl.bucket), costs[pl.item])
+        assert sorted(loads.sum(0)) == [12, 12]
+        assert loads.max(1).sum() == 13, (method, loads)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=bound_case())
+def test_refit_keeps_buckets_and_caps_and_never_raises_the_lockstep_cost(case):
+    """Whatever within-bucket layout it starts from, the refit keeps every item's bucket, respects the
+    token cap and returns a layout whose aligned lockstep cost is at most the one it was given."""
+    from torchdata_overlord.plane.balancing.layout import _aligned_lockstep, _refit_rows
+
+    costs, tokens, B, M, cap, rng = case
+    bucket = rng.integers(0, B, len(costs))
+    mb = np.empty(len(costs), np.int64)
+    for b in range(B):                       # a random layout inside each bucket that respects the cap
+        used = np.zeros(len(costs) + M, np.int64)
+        for i in np.flatnonzero(bucket == b):
+            j = int(rng.integers(0, M))
+            while cap is not None and used[j] + tokens[i] > cap:
+                j += 1
+            mb[i], used[j] = j, used[j] + tokens[i]
+    n_mb = int(mb.max()) + 1
+    new = _refit_rows(costs, tokens, bucket, mb, B, cap)
+    assert new.shape == mb.shape and new.min() >= 0 and new.max() < n_mb
+    if cap is not None:
+        assert np.bincount(bucket * n_mb + new, weights=tokens, minlength=B * n_mb).max() <= cap
+    assert _aligned_lockstep(costs, bucket, new, B, n_mb) <= _aligned_lockstep(costs, bucket, mb, B, n_mb)
+
+
 @st.composite
 def layout_case(draw):
     """Heavy-tailed items (squared Pareto 1.1 costs, attention-like), few per bin, some levels and caps."""

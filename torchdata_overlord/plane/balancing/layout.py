@@ -1,9 +1,10 @@
 """From item costs to (bucket, microbatch) places: the levels at which balancing applies.
 
 ``level="both"`` (default, the paper's interleaving of the two levels) balances buckets first,
-so every rank gets the same total cost, then the microbatches inside each bucket, and finally
-renumbers every bucket's microbatches heaviest first so that heavy lines up with heavy across
-ranks. ``level="lockstep"`` pools all (bucket, microbatch) bins and balances them as one, then
+so every rank gets the same total cost, then the microbatches inside each bucket, refits them
+towards the heaviest microbatch profile of any bucket (a row one heavy item forces is filled on
+every rank rather than left short while the other rows rise), and finally renumbers every
+bucket's microbatches heaviest first so that heavy lines up with heavy across ranks. ``level="lockstep"`` pools all (bucket, microbatch) bins and balances them as one, then
 cuts bins of similar load into microbatch rows: the best choice when every microbatch index
 ends in a synchronisation (FSDP/ZeRO-3) and samples are small against a bin; samples spanning
 several CP ranks are placed this way. ``level="bucket"`` balances buckets only and fills
@@ -124,6 +125,62 @@ def _within_buckets(method, costs, tokens, bucket, n_buckets: int, m: int, cap, 
     return _lpt_rounds(costs, tokens, bucket, n_buckets, m, cap)
 
 
+def _aligned_lockstep(costs, bucket, mb, n_buckets: int, n_mb: int) -> float:
+    """Lockstep cost once every bucket's microbatches are numbered heaviest first (``_align_microbatches``)."""
+    loads = np.bincount(bucket * n_mb + mb, weights=costs, minlength=n_buckets * n_mb).reshape(n_buckets, n_mb)
+    return float(np.sort(loads, 1)[:, ::-1].max(0).sum())
+
+
+def _fit_profile(costs, tokens, bucket, n_buckets: int, profile: np.ndarray, cap):
+    """First fit decreasing inside every bucket at once, microbatch j of a bucket aiming at ``profile[j]``
+    (non-increasing): round r places each bucket's r-th costliest item in the first microbatch it fits
+    in without passing its aim, else (none has room) the one it passes by the least. ``None`` when an
+    item fits no microbatch's tokens."""
+    n, m = len(costs), len(profile)
+    order = np.lexsort((-costs, bucket))                       # by bucket, costliest first
+    counts = np.bincount(bucket, minlength=n_buckets)
+    rank = np.empty(n, np.int64)
+    rank[order] = np.arange(n) - (np.cumsum(counts) - counts)[bucket[order]]
+    loads = np.zeros((n_buckets, m))
+    tl = np.zeros((n_buckets, m), np.int64)
+    limit = np.inf if cap is None else cap
+    mb = np.empty(n, np.int64)
+    by_rank = order[np.argsort(rank[order], kind="stable")]
+    for sel in np.split(by_rank, np.searchsorted(rank[by_rank], np.arange(1, counts.max(initial=0)))):
+        b, c, t = bucket[sel], costs[sel], tokens[sel]
+        fits = tl[b] + t[:, None] <= limit
+        if not fits.any(1).all():
+            return None
+        room = profile - loads[b] - c[:, None]
+        ok = fits & (room >= 0)
+        j = np.where(ok.any(1), ok.argmax(1), np.where(fits, -room, np.inf).argmin(1))
+        loads[b, j] += c
+        tl[b, j] += t
+        mb[sel] = j
+    return mb
+
+
+def _refit_rows(costs, tokens, bucket, mb, n_buckets: int, cap, rounds: int = 2) -> np.ndarray:
+    """Lower the lockstep cost of fixed buckets: refit every bucket's microbatches to the heaviest
+    profile across buckets (its j-th heaviest microbatch aiming at the largest j-th heaviest load
+    of any bucket), so that buckets fill the rows a heavy item already forces instead of spreading
+    evenly; kept only where it lowers the aligned lockstep cost. Bucket contents do not change."""
+    if not len(mb):
+        return mb
+    n_mb = int(mb.max()) + 1
+    best = _aligned_lockstep(costs, bucket, mb, n_buckets, n_mb)
+    for _ in range(rounds):
+        loads = np.bincount(bucket * n_mb + mb, weights=costs, minlength=n_buckets * n_mb).reshape(n_buckets, n_mb)
+        new = _fit_profile(costs, tokens, bucket, n_buckets, np.sort(loads, 1)[:, ::-1].max(0), cap)
+        if new is None:
+            break
+        cost = _aligned_lockstep(costs, bucket, new, n_buckets, n_mb)
+        if not cost < best:
+            break
+        mb, best = new, cost
+    return mb
+
+
 def _place_spans(costs, tokens, span, n_buckets, cp, m, cap):
     """Place items spanning several CP ranks; returns entries and the (m, B) cost/token loads."""
     loads = np.zeros((m, n_buckets))
@@ -236,10 +293,12 @@ def _place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatche
         if level == "bucket":
             mb = _fill_microbatches(bucket, tokens, n_buckets, m, cap)
         else:
-            mb = _within_buckets(method, costs, tokens, bucket, n_buckets, m, cap, used)
+            mb = _refit_rows(costs, tokens, bucket, _within_buckets(method, costs, tokens, bucket, n_buckets, m,
+                                                                    cap, used), n_buckets, cap)
     elif level == "microbatch":
         bucket = _arrival_buckets(n, n_buckets)
-        mb = _within_buckets(method, costs, tokens, bucket, n_buckets, m, cap, used)
+        mb = _refit_rows(costs, tokens, bucket, _within_buckets(method, costs, tokens, bucket, n_buckets, m, cap, used),
+                         n_buckets, cap)
     else:
         loads = tl = None
         if spanned.any():
