@@ -34,7 +34,10 @@ Strategies, all planned by ``ol.Planner`` on the same sampled batch at every ste
 * ``hybrid-<method>``: the backbone as above plus the images balanced on their own by
   ``EncoderCost`` over all ranks (``distribute("DP", module="encoder")``), VLM workloads;
 * ``cp-<method>``: ``distribute("CP")``: DP x CP ranks as uniform consumers, a sequence spans CP
-  ranks only when it does not fit one rank's ``ctx`` (long workload).
+  ranks only when it does not fit one rank's ``ctx`` (long workload);
+* ``lockstep-kk``: the backbone as ``backbone-kk`` with ``balance(..., level="lockstep")``: every
+  (rank, microbatch) bin pooled, for jobs whose every microbatch ends in a synchronisation (FSDP):
+  a lower lockstep cost, paid with less even per-rank totals.
 
 ``method`` is each built-in balancer, ``greedy`` and ``karmarkar_karp`` (``kk``). Documents longer
 than a bin are split (``oversize="split"``). With ``distribute("DP")`` on the cp=4 mesh every
@@ -44,7 +47,9 @@ Figures, each the mean over ``--steps`` steps:
 
 * per-rank max/mean of the backbone cost (``plan.stats["max_over_mean"]``), and of the encoder;
 * lockstep/bound: sum over microbatch index of the max over ranks of the backbone cost, over the
-  plan's lower bound max(largest item, mean per rank) (``plan.stats["lockstep_over_bound"]``);
+  plan's lower bound on it (``plan.stats["lockstep_over_bound"]``; ``plane/balancing/bound.py``: the
+  largest of max(largest item, mean per rank), the rows that items too large to share a bin force,
+  and what those rows cannot hold within their tokens);
 * simulated step time and speedup over vanilla (ratio of summed step times), attention-FLOPs
   cost model: backbone ``AttentionFlops(hidden=4096)`` x 32 layers, encoder ``EncoderCost(hidden=1536)``
   x 40 layers (a ViT-1B-like encoder beside a 7B-like backbone). A step is the encoder phase
@@ -219,7 +224,8 @@ class Workload:
 
     def strategies(self) -> list[tuple[str, str, str]]:
         kinds = ["backbone", "hybrid"] if self.images else ["backbone", "cp"]
-        return [("vanilla", "vanilla", "arrival")] + [(f"{k}-{short}", k, m) for k in kinds for short, m in METHODS.items()]
+        return ([("vanilla", "vanilla", "arrival")] + [(f"{k}-{short}", k, m) for k in kinds for short, m in METHODS.items()]
+                + [("lockstep-kk", "lockstep", "karmarkar_karp")])
 
 
 WORKLOADS = {
@@ -270,7 +276,8 @@ def make_strategy(w: Workload, kind: str, method: str, ctx: int):
             return (g.distribute("CP").cost(BACKBONE)
                     .balance(method, microbatches=MICROBATCHES, max_tokens=ctx, oversize="split").plan())
         text = (g.distribute("DP").cost(BACKBONE)
-                .balance(method, microbatches=MICROBATCHES, max_tokens=ctx * w.cp, oversize="split"))
+                .balance(method, microbatches=MICROBATCHES, max_tokens=ctx * w.cp, oversize="split",
+                         level="lockstep" if kind == "lockstep" else "both"))
         if kind == "hybrid":
             images = g.view("image").distribute("DP", module="encoder").cost(ENCODER).balance(method, microbatches=1)
             return text.plan(encoder=images)
