@@ -555,6 +555,58 @@ def test_refit_keeps_buckets_and_caps_and_never_raises_the_lockstep_cost(case):
     assert _aligned_lockstep(costs, bucket, new, B, n_mb) <= _aligned_lockstep(costs, bucket, mb, B, n_mb)
 
 
+def test_polish_moves_an_item_out_of_a_row_maximum_into_slack():
+    """Rows (5 + 1 | 3) and (2 | 2) cost 6 + 2; the 1 moves beside the 3: 5 + 2, the optimum."""
+    from torchdata_overlord.plane.balancing.layout import _polish
+
+    costs = np.array([5.0, 1, 3, 2, 2])
+    tokens = np.ones(5, np.int64)
+    row, col = _polish(costs, tokens, np.array([0, 0, 0, 1, 1]), np.array([0, 0, 1, 0, 1]),
+                       np.zeros((2, 2)), np.zeros((2, 2)), None)
+    loads = np.zeros((2, 2))
+    np.add.at(loads, (row, col), costs)
+    assert loads.max(1).sum() == 7 and (row[1], col[1]) == (0, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=bound_case(), fixed_share=st.floats(0, 0.5))
+def test_polish_never_raises_the_lockstep_cost_and_keeps_caps(case, fixed_share):
+    """From any layout that respects the cap, with some load already fixed in the bins (CP spans), the
+    polished layout respects the cap too, places every item, and its lockstep cost is no higher."""
+    from torchdata_overlord.plane.balancing.layout import _polish
+
+    costs, tokens, B, M, cap, rng = case
+    fixed = rng.random((M, B)) * costs.mean() * fixed_share
+    fixed_t = np.zeros((M, B)) if cap is None else np.floor(rng.random((M, B)) * cap * fixed_share)
+    row, col = np.empty(len(costs), np.int64), np.empty(len(costs), np.int64)
+    used = fixed_t.copy()
+    rows = M
+    for i in range(len(costs)):
+        b = int(rng.integers(0, B * rows))
+        while cap is not None and used.ravel()[b] + tokens[i] > cap:
+            b += 1
+            if b == B * rows:          # nowhere left: open a row
+                used = np.vstack([used, np.zeros((1, B))])
+                fixed = np.vstack([fixed, np.zeros((1, B))])
+                fixed_t = np.vstack([fixed_t, np.zeros((1, B))])
+                rows += 1
+        row[i], col[i] = divmod(b, B)
+        used[row[i], col[i]] += tokens[i]
+
+    def lockstep_of(r, c):
+        loads = fixed.copy()
+        np.add.at(loads, (r, c), costs)
+        return loads.max(1).sum()
+
+    new_row, new_col = _polish(costs, tokens, row, col, fixed, fixed_t, cap)
+    assert new_row.min() >= 0 and new_row.max() < rows and new_col.min() >= 0 and new_col.max() < B
+    if cap is not None:
+        t = fixed_t.copy()
+        np.add.at(t, (new_row, new_col), tokens)
+        assert t.max() <= cap
+    assert lockstep_of(new_row, new_col) <= lockstep_of(row, col) * (1 + 1e-9)
+
+
 @st.composite
 def layout_case(draw):
     """Heavy-tailed items (squared Pareto 1.1 costs, attention-like), few per bin, some levels and caps."""

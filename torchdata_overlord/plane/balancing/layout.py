@@ -5,9 +5,11 @@ so every rank gets the same total cost, then the microbatches inside each bucket
 towards the heaviest microbatch profile of any bucket (a row one heavy item forces is filled on
 every rank rather than left short while the other rows rise), and finally renumbers every
 bucket's microbatches heaviest first so that heavy lines up with heavy across ranks. ``level="lockstep"`` pools all (bucket, microbatch) bins and balances them as one, then
-cuts bins of similar load into microbatch rows: the best choice when every microbatch index
-ends in a synchronisation (FSDP/ZeRO-3) and samples are small against a bin; samples spanning
-several CP ranks are placed this way. ``level="bucket"`` balances buckets only and fills
+cuts bins of similar load into microbatch rows and polishes them (items moved out of a row's
+heaviest bin into slack elsewhere while that lowers the sum of row maxima): the best choice when
+every microbatch index ends in a synchronisation (FSDP/ZeRO-3); samples spanning several CP ranks
+are placed this way, heavy ones sharing rows. Refits and polishing apply to the built-in methods
+(``REFINED``); a registered method's bins are kept as it gave them. ``level="bucket"`` balances buckets only and fills
 microbatches in arrival order; ``level="microbatch"`` keeps the arrival-order split into buckets
 (each rank's minibatch unchanged) and balances microbatches inside each. ``equal_counts`` gives
 every bucket the same number of items (+-1). Method ``"arrival"`` is the unbalanced baseline.
@@ -31,7 +33,12 @@ ARRIVAL = "arrival"
 # methods whose layout place() compares with another method's on the whole step's lockstep cost
 FALLBACK = {"karmarkar_karp": "greedy"}
 FALLBACK_SLACK = 1e-3    # no fallback run when the method's lockstep is within this of the lower bound
+REFINED = {"greedy", "karmarkar_karp"}   # built-in methods whose layouts are refit/polished for the lockstep cost;
+                                        # a registered method's bins are kept as it gave them
 SKIP_SLACK = 1e-3        # no refit when the lockstep cost is within this of the heaviest bucket's total
+POLISH_CANDIDATES = 4    # bins of each row a polishing move may go to: its lightest
+POLISH_PASSES = 4        # passes over the rows, heaviest first, while a pass moves something
+POLISH_MOVES_PER_ROW = 100000   # at most this many moves per row in all (and one per item)
 
 
 @dataclass
@@ -201,8 +208,65 @@ def _refit_rows(costs, tokens, bucket, mb, n_buckets: int, cap) -> np.ndarray:
     return new
 
 
+def _polish(costs, tokens, row, col, loads, token_loads, cap) -> tuple[np.ndarray, np.ndarray]:
+    """Local search on the lockstep cost of (row, bucket) bins: while some row's heaviest bin stands
+    alone, move the item out of it that lowers the sum of row maxima the most, into one of the
+    ``POLISH_CANDIDATES`` lightest bins of any row where its tokens fit. ``loads``/``token_loads``:
+    what is already fixed in the bins (sequences spanning CP ranks). Returns the items' (row, bucket)."""
+    row, col = row.copy(), col.copy()
+    n_rows, B = loads.shape
+    L = loads.copy()
+    T = token_loads.copy()
+    np.add.at(L, (row, col), costs)
+    np.add.at(T, (row, col), tokens)
+    limit = np.inf if cap is None else cap
+    eps = 1e-12 * max(float(L.max(1).sum()), 1.0)
+    K = min(POLISH_CANDIDATES, B)
+    budget = min(len(costs), POLISH_MOVES_PER_ROW * n_rows)
+    members: dict[int, list[int]] = {}
+    for i, b in enumerate((row * B + col).tolist()):
+        members.setdefault(b, []).append(i)
+    for _ in range(POLISH_PASSES):
+        moved = False
+        for m in np.argsort(-L.max(1), kind="stable").tolist():
+            while budget > 0:
+                order = np.argsort(-L[m], kind="stable")
+                b1, top = int(order[0]), L[m, order[0]]
+                second = L[m, order[1]] if B > 1 else 0.0
+                idx = np.array(members.get(m * B + b1, ()) if top - second > eps else (), np.int64)
+                if not len(idx):
+                    break
+                c, t = costs[idx], tokens[idx]
+                after = np.maximum(second, top - c)                 # row m's maximum once an item leaves
+                rmax = L.max(1)
+                light = np.argpartition(L, K - 1, axis=1)[:, :K] if K < B else np.broadcast_to(np.arange(B), L.shape)
+                cl, ct = np.take_along_axis(L, light, 1), np.take_along_axis(T, light, 1)
+                rise = np.maximum(cl[None] + c[:, None, None] - rmax[None, :, None], 0.0)
+                rise[:, m] = np.maximum(cl[m][None] + c[:, None], after[:, None]) - after[:, None]
+                rise[:, m][:, light[m] == b1] = np.inf
+                net = np.where(ct[None] + t[:, None, None] <= limit, rise, np.inf) - (top - after)[:, None, None]
+                k, m2, j = np.unravel_index(np.argmin(net), net.shape)
+                if not net[k, m2, j] < -eps:
+                    break
+                e, b2 = idx[k], int(light[m2, j])
+                L[m, b1] -= costs[e]
+                T[m, b1] -= tokens[e]
+                L[m2, b2] += costs[e]
+                T[m2, b2] += tokens[e]
+                row[e], col[e] = m2, b2
+                members[m * B + b1].remove(e)
+                members.setdefault(m2 * B + b2, []).append(e)
+                budget -= 1
+                moved = True
+        if not moved:
+            break
+    return row, col
+
+
 def _place_spans(costs, tokens, span, n_buckets, cp, m, cap):
-    """Place items spanning several CP ranks; returns entries and the (m, B) cost/token loads."""
+    """Place items spanning several CP ranks, costliest first, each where it raises its row's maximum the
+    least (then where its bins are lightest): heavy sequences share rows instead of each setting the
+    maximum of a row of its own. Returns entries and the (m, B) cost/token loads."""
     loads = np.zeros((m, n_buckets))
     tl = np.zeros((m, n_buckets), np.int64)
     entries = []
@@ -217,18 +281,20 @@ def _place_spans(costs, tokens, span, n_buckets, cp, m, cap):
             best = None
             grid = loads.reshape(loads.shape[0], dp, cp)
             tgrid = tl.reshape(tl.shape[0], dp, cp)
+            row_max = loads.max(1)[:, None]
             for start in range(cp - k + 1):
                 peak = grid[:, :, start:start + k].max(2) + c
                 fits = (tgrid[:, :, start:start + k] + t <= cap).all(2)
-                peak = np.where(fits, peak, np.inf)
-                j = np.unravel_index(np.argmin(peak), peak.shape)
-                if np.isfinite(peak[j]) and (best is None or peak[j] < best[0]):
-                    best = (peak[j], int(j[0]), int(j[1]), start)
+                rise = np.where(fits, np.maximum(peak - row_max, 0.0), np.inf)
+                low = rise <= rise.min() * (1 + 1e-12)
+                j = np.unravel_index(np.argmin(np.where(low, peak, np.inf)), peak.shape)
+                if np.isfinite(rise[j]) and (best is None or (rise[j], peak[j]) < best[:2]):
+                    best = (rise[j], peak[j], int(j[0]), int(j[1]), start)
             if best is not None:
                 break
             loads = np.vstack([loads, np.zeros((1, n_buckets))])    # open another microbatch
             tl = np.vstack([tl, np.zeros((1, n_buckets), np.int64)])
-        _, mm, g, start = best
+        _, _, mm, g, start = best
         for s in range(k):
             b = g * cp + start + s
             loads[mm, b] += c
@@ -313,12 +379,14 @@ def _place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatche
         if level == "bucket":
             mb = _fill_microbatches(bucket, tokens, n_buckets, m, cap)
         else:
-            mb = _refit_rows(costs, tokens, bucket, _within_buckets(method, costs, tokens, bucket, n_buckets, m,
-                                                                    cap, used), n_buckets, cap)
+            mb = _within_buckets(method, costs, tokens, bucket, n_buckets, m, cap, used)
+            if method in REFINED:
+                mb = _refit_rows(costs, tokens, bucket, mb, n_buckets, cap)
     elif level == "microbatch":
         bucket = _arrival_buckets(n, n_buckets)
-        mb = _refit_rows(costs, tokens, bucket, _within_buckets(method, costs, tokens, bucket, n_buckets, m, cap, used),
-                         n_buckets, cap)
+        mb = _within_buckets(method, costs, tokens, bucket, n_buckets, m, cap, used)
+        if method in REFINED:
+            mb = _refit_rows(costs, tokens, bucket, mb, n_buckets, cap)
     else:
         loads = tl = None
         if spanned.any():
@@ -336,7 +404,14 @@ def _place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatche
         bins = res.bins if spanned.any() else _interleave(costs[short], res.bins, n_buckets, res.n_bins)
         bucket = np.full(n, -1, np.int64)
         mb = np.full(n, -1, np.int64)
-        bucket[short], mb[short] = bins % n_buckets, bins // n_buckets
+        mb[short], bucket[short] = bins // n_buckets, bins % n_buckets
+        if method in REFINED:
+            rows = max(m, int(bins.max()) // n_buckets + 1 if len(bins) else 0)
+            fixed = np.zeros((2, rows, n_buckets))
+            if spanned.any():
+                fixed[:, :m] = np.stack([loads, tl]).reshape(2, m, n_buckets)
+            mb[short], bucket[short] = _polish(costs[short], tokens[short], mb[short], bucket[short], fixed[0],
+                                               fixed[1], cap)
     single = np.flatnonzero(span <= 1)
     item = np.concatenate([single, np.array([e[0] for e in entries], np.int64)])
     cols = [np.array([e[j] for e in entries], np.int64) for j in range(1, 5)]
