@@ -641,6 +641,22 @@ def test_karmarkar_karp_whole_step_lockstep_never_worse_than_greedy(case):
     assert kk <= (1 + FALLBACK_SLACK) * lpt * (1 + 1e-12), (kk, lpt)
 
 
+@settings(max_examples=100, deadline=None)
+@given(case=layout_case())
+def test_lockstep_level_never_costs_more_than_both(case):
+    """``level="lockstep"`` promises the lower lockstep cost: whatever the method and cap, it is never
+    above ``"both"``'s on the same items (it keeps that layout where it is the cheaper), but for the
+    ``FALLBACK_SLACK`` that lets KK skip the greedy run when it is that close to the lower bound."""
+    from torchdata_overlord.plane.balancing.layout import FALLBACK_SLACK
+
+    costs, tokens, B, M, _, cap, _ = case
+    for method, slack in (("greedy", 0.0), ("karmarkar_karp", FALLBACK_SLACK)):
+        kw = dict(n_buckets=B, microbatches=M, cap=cap, method=method)
+        pooled = _layout_lockstep(costs, place(costs, tokens, level="lockstep", **kw), B)
+        both = _layout_lockstep(costs, place(costs, tokens, level="both", **kw), B)
+        assert pooled <= both * (1 + slack) * (1 + 1e-12), (method, pooled, both)
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 200), dp=st.integers(1, 4), cp=st.sampled_from([2, 4]), M=st.integers(1, 6),
        seed=st.integers(0, 2**16))

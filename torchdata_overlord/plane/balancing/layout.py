@@ -7,8 +7,9 @@ every rank rather than left short while the other rows rise), and finally renumb
 bucket's microbatches heaviest first so that heavy lines up with heavy across ranks. ``level="lockstep"`` pools all (bucket, microbatch) bins and balances them as one, then
 cuts bins of similar load into microbatch rows and polishes them (items moved out of a row's
 heaviest bin into slack elsewhere while that lowers the sum of row maxima): the best choice when
-every microbatch index ends in a synchronisation (FSDP/ZeRO-3); samples spanning several CP ranks
-are placed this way, heavy ones sharing rows. Refits and polishing apply to the built-in methods
+every microbatch index ends in a synchronisation (FSDP/ZeRO-3); where ``"both"``'s layout has the
+lower lockstep cost (ranks balanced first can line rows up better), that layout is kept. Samples
+spanning several CP ranks are placed this way, heavy ones sharing rows. Refits and polishing apply to the built-in methods
 (``REFINED``); a registered method's bins are kept as it gave them. ``level="bucket"`` balances buckets only and fills
 microbatches in arrival order; ``level="microbatch"`` keeps the arrival-order split into buckets
 (each rank's minibatch unchanged) and balances microbatches inside each. ``equal_counts`` gives
@@ -422,7 +423,14 @@ def _place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatche
     n_mb = max(microbatches, int(mb_all.max()) + 1 if len(mb_all) else 0)
     if method != ARRIVAL and not entries:
         mb_all = _align_microbatches(costs[item], bucket_all, mb_all, n_buckets, n_mb)
-    return Placement(item, bucket_all, mb_all, shard, nshards, n_mb)
+    pl = Placement(item, bucket_all, mb_all, shard, nshards, n_mb)
+    if level == "lockstep" and method in REFINED and not entries and n:
+        # pooling is not always the cheaper: ranks balanced first and refit can line rows up better
+        other = _place(costs, tokens, n_buckets=n_buckets, microbatches=microbatches, method=method, cap=cap,
+                       level="both", equal_counts=equal_counts, used=used)
+        if _lockstep(other, costs, tokens, n_buckets)[1] < _lockstep(pl, costs, tokens, n_buckets)[1]:
+            return other
+    return pl
 
 
 def _row_max_sum(n_buckets: int):
