@@ -224,15 +224,18 @@ def balance_table(data: dict) -> list[str]:
              f"modules tokenized by a run-time sentencepiece BPE, plus a 2% Pareto tail; both on dp x cp=4), DP 8, "
              f"64, 512, contexts 4k-32k, 8 microbatches; simulated step time with the attention-FLOPs model (32 "
              f"backbone layers plus the encoder), and a measured step on the CPU (SDPA blocks, sizes scaled down, "
-             f"8 ranks, 8k). Lockstep / bound: over `plan.stats['lower_bound']`, the larger of max(largest item, "
-             f"total / buckets) and the rows that items too large to share a bin force "
-             f"(`plane/balancing/bound.py`). Plot: `benchmarks/results/balance.png`.", "",
+             f"8 ranks, 8k). Strategies: `backbone-*` and `hybrid-*` balance at the default level (`\"both\"`: "
+             f"ranks first, equal totals), `cp-*` over DP x CP ranks, `lockstep-kk` with `level=\"lockstep\"`. "
+             f"Lockstep / bound: over `plan.stats['lower_bound']`, a proven lower bound on any layout's lockstep "
+             f"cost: the largest of max(largest item, total / buckets), the rows that items too large to share a "
+             f"bin force, and what those rows cannot hold within their tokens (`plane/balancing/bound.py`). "
+             f"Plot: `benchmarks/results/balance.png`.", "",
              "| workload | strategy | mean simulated speedup | best | per-rank max/mean | lockstep / bound |",
              "|---|---|---:|---:|---:|---:|"]
     for wl, by in sm["by_workload"].items():
         for strat, r in by.items():
             lines.append(f"| {wl} | {strat} | {r['mean_sim_speedup']:.2f}x | {r['max_sim_speedup']:.2f}x | "
-                         f"{r['mean_max_over_mean']:.2f} | {r['mean_lockstep_over_bound']:.2f} |")
+                         f"{r['mean_max_over_mean']:.2f} | {r['mean_lockstep_over_bound']:.3f} |")
     ctx = sm["by_context"]
     worst = (sm.get("kk_vs_greedy") or {}).get("worst")
     if worst:
