@@ -4,13 +4,15 @@
 so every rank gets the same total cost, then the microbatches inside each bucket, refits them
 towards the heaviest microbatch profile of any bucket (a row one heavy item forces is filled on
 every rank rather than left short while the other rows rise), and finally renumbers every
-bucket's microbatches heaviest first so that heavy lines up with heavy across ranks. ``level="lockstep"`` pools all (bucket, microbatch) bins and balances them as one, then
-cuts bins of similar load into microbatch rows and polishes them (items moved out of a row's
-heaviest bin into slack elsewhere while that lowers the sum of row maxima): the best choice when
-every microbatch index ends in a synchronisation (FSDP/ZeRO-3); where ``"both"``'s layout has the
-lower lockstep cost (ranks balanced first can line rows up better), that layout is kept. Samples
-spanning several CP ranks are placed this way, heavy ones sharing rows. Refits and polishing apply to the built-in methods
-(``REFINED``); a registered method's bins are kept as it gave them. ``level="bucket"`` balances buckets only and fills
+bucket's microbatches heaviest first so that heavy lines up with heavy across ranks.
+``level="lockstep"`` pools all (bucket, microbatch) bins and balances them as one, then cuts bins
+of similar load into microbatch rows and polishes them (items moved out of a row's heaviest bin
+into slack elsewhere while that lowers the sum of row maxima): the best choice when every
+microbatch index ends in a synchronisation (FSDP/ZeRO-3); where ``"both"``'s layout has the lower
+lockstep cost (ranks balanced first can line rows up better), that layout is kept. Samples
+spanning several CP ranks are placed this way, heavy ones sharing rows. Refits and polishing
+apply to the built-in methods (``REFINED``); a registered method's bins are kept as it gave them.
+``level="bucket"`` balances buckets only and fills
 microbatches in arrival order; ``level="microbatch"`` keeps the arrival-order split into buckets
 (each rank's minibatch unchanged) and balances microbatches inside each. ``equal_counts`` gives
 every bucket the same number of items (+-1). Method ``"arrival"`` is the unbalanced baseline.
@@ -39,7 +41,6 @@ REFINED = {"greedy", "karmarkar_karp"}   # built-in methods whose layouts are re
 SKIP_SLACK = 1e-3        # no refit when the lockstep cost is within this of the heaviest bucket's total
 POLISH_CANDIDATES = 4    # bins of each row a polishing move may go to: its lightest
 POLISH_PASSES = 4        # passes over the rows, heaviest first, while a pass moves something
-POLISH_MOVES_PER_ROW = 100000   # at most this many moves per row in all (and one per item)
 
 
 @dataclass
@@ -223,7 +224,7 @@ def _polish(costs, tokens, row, col, loads, token_loads, cap) -> tuple[np.ndarra
     limit = np.inf if cap is None else cap
     eps = 1e-12 * max(float(L.max(1).sum()), 1.0)
     K = min(POLISH_CANDIDATES, B)
-    budget = min(len(costs), POLISH_MOVES_PER_ROW * n_rows)
+    budget = len(costs)                                     # moves in all: as many as there are items
     members: dict[int, list[int]] = {}
     for i, b in enumerate((row * B + col).tolist()):
         members.setdefault(b, []).append(i)
