@@ -268,12 +268,19 @@ def _polish(costs, tokens, row, col, loads, token_loads, cap) -> tuple[np.ndarra
 def _place_spans(costs, tokens, span, n_buckets, cp, m, cap):
     """Place items spanning several CP ranks, costliest first, each where it raises its row's maximum the
     least (then where its bins are lightest): heavy sequences share rows instead of each setting the
-    maximum of a row of its own. Returns entries and the (m, B) cost/token loads."""
-    loads = np.zeros((m, n_buckets))
-    tl = np.zeros((m, n_buckets), np.int64)
-    entries = []
+    maximum of a row of its own. Returns entries and the (m, B) cost/token loads.
+
+    Every window of k consecutive CP ranks of a DP group keeps its largest cost and token load per row
+    (``window``), updated where a sequence lands: choosing a place reads those, not the bins."""
     dp = n_buckets // cp
-    for i in np.flatnonzero(span > 1)[np.argsort(-costs[span > 1], kind="stable")]:
+    loads = np.zeros((m, dp, cp))
+    tl = np.zeros((m, dp, cp), np.int64)
+    row_max = np.zeros(m)
+    spans = np.flatnonzero(span > 1)
+    windows = [(k, s) for k in sorted(set(span[spans].tolist())) if k <= cp for s in range(cp - k + 1)]
+    window = {w: (np.zeros((m, dp)), np.zeros((m, dp), np.int64)) for w in windows}
+    entries = []
+    for i in spans[np.argsort(-costs[spans], kind="stable")]:
         k = int(span[i])
         c, t = costs[i] / k, 2 * math.ceil(tokens[i] / (2 * k))   # a zig-zag shard: 2 chunks of ceil(n / 2k)
         if k > cp or t > cap:
@@ -281,28 +288,30 @@ def _place_spans(costs, tokens, span, n_buckets, cp, m, cap):
                               f"{cap} tokens per rank")
         while True:
             best = None
-            grid = loads.reshape(loads.shape[0], dp, cp)
-            tgrid = tl.reshape(tl.shape[0], dp, cp)
-            row_max = loads.max(1)[:, None]
             for start in range(cp - k + 1):
-                peak = grid[:, :, start:start + k].max(2) + c
-                fits = (tgrid[:, :, start:start + k] + t <= cap).all(2)
-                rise = np.where(fits, np.maximum(peak - row_max, 0.0), np.inf)
+                top, top_tokens = window[k, start]
+                peak = top + c
+                rise = np.where(top_tokens + t <= cap, np.maximum(peak - row_max[:, None], 0.0), np.inf)
                 low = rise <= rise.min() * (1 + 1e-12)
                 j = np.unravel_index(np.argmin(np.where(low, peak, np.inf)), peak.shape)
                 if np.isfinite(rise[j]) and (best is None or (rise[j], peak[j]) < best[:2]):
                     best = (rise[j], peak[j], int(j[0]), int(j[1]), start)
             if best is not None:
                 break
-            loads = np.vstack([loads, np.zeros((1, n_buckets))])    # open another microbatch
-            tl = np.vstack([tl, np.zeros((1, n_buckets), np.int64)])
+            loads = np.concatenate([loads, np.zeros((1, dp, cp))])     # open another microbatch
+            tl = np.concatenate([tl, np.zeros((1, dp, cp), np.int64)])
+            row_max = np.append(row_max, 0.0)
+            window = {w: (np.vstack([a, np.zeros((1, dp))]), np.vstack([b, np.zeros((1, dp), np.int64)]))
+                      for w, (a, b) in window.items()}
         _, _, mm, g, start = best
-        for s in range(k):
-            b = g * cp + start + s
-            loads[mm, b] += c
-            tl[mm, b] += t
-            entries.append((i, b, mm, s, k))
-    return entries, loads, tl
+        loads[mm, g, start:start + k] += c
+        tl[mm, g, start:start + k] += t
+        row_max[mm] = max(row_max[mm], loads[mm, g].max())
+        for (kw, sw), (top, top_tokens) in window.items():
+            top[mm, g] = loads[mm, g, sw:sw + kw].max()
+            top_tokens[mm, g] = tl[mm, g, sw:sw + kw].max()
+        entries.extend((i, g * cp + start + s, mm, s, k) for s in range(k))
+    return entries, loads.reshape(-1, n_buckets), tl.reshape(-1, n_buckets)
 
 
 def place(costs: np.ndarray, tokens: np.ndarray, *, n_buckets: int, microbatches: int, method: str,
