@@ -59,8 +59,7 @@ def lockstep_lower_bound(costs, n_buckets: int, tokens=None, cap: int | None = N
     for j in range(1, MAX_SHARE + 1):
         rows = np.maximum(rows, -(-np.cumsum(t * (j + 1) > cap) // (j * B)))
     bound = max(bound, float((rows * np.maximum(width, 0)).sum()))
-    rows = np.maximum.accumulate(rows)
-    h = c[np.searchsorted(rows, np.arange(1, int(rows[-1]) + 1))]      # h_j: M_j >= h_j
+    h = c[np.searchsorted(rows, np.arange(1, int(rows[-1]) + 1))]      # h_j: M_j >= h_j (rows never falls)
     if not len(h):
         return bound
     dense = _densest(c, t)

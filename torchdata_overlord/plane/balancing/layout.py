@@ -92,26 +92,27 @@ def _per_bucket(method, costs, tokens, bucket, n_buckets, m, cap, used: set) -> 
     return mb
 
 
+def _rounds(costs, bucket, n_buckets: int) -> list[np.ndarray]:
+    """Round r: the r-th costliest item of every bucket that has one (each bucket once per round)."""
+    n = len(costs)
+    order = np.lexsort((-costs, bucket))                       # by bucket, costliest first
+    counts = np.bincount(bucket, minlength=n_buckets)
+    rank = np.empty(n, np.int64)
+    rank[order] = np.arange(n) - (np.cumsum(counts) - counts)[bucket[order]]
+    by_rank = order[np.argsort(rank[order], kind="stable")]
+    return [sel for sel in np.split(by_rank, np.searchsorted(rank[by_rank], np.arange(1, counts.max(initial=0))))
+            if len(sel)]
+
+
 def _lpt_rounds(costs, tokens, bucket, n_buckets: int, m: int, cap) -> np.ndarray:
     """Greedy (LPT) inside every bucket at once: round r places each bucket's r-th largest item
     in that bucket's least-loaded microbatch that fits, opening a microbatch when none does."""
-    n = len(costs)
-    order = np.argsort(-costs, kind="stable")
-    order = order[np.argsort(bucket[order], kind="stable")]   # by bucket, then largest first (= lexsort)
-    counts = np.bincount(bucket, minlength=n_buckets)
-    starts = np.cumsum(counts) - counts
-    rank = np.empty(n, np.int64)
-    rank[order] = np.arange(n) - starts[bucket[order]]
     loads = np.zeros((n_buckets, m))
     tl = np.zeros((n_buckets, m), np.int64)
     limit = np.inf if cap is None else cap
-    mb = np.empty(n, np.int64)
-    by_rank = order[np.argsort(rank[order], kind="stable")]
-    cuts = np.searchsorted(rank[by_rank], np.arange(1, counts.max(initial=0) + 1))
-    for sel in np.split(by_rank, cuts):
-        if not len(sel):
-            continue
-        b, t = bucket[sel], tokens[sel]                 # each bucket appears once per round
+    mb = np.empty(len(costs), np.int64)
+    for sel in _rounds(costs, bucket, n_buckets):
+        b, t = bucket[sel], tokens[sel]
         while True:
             cand = np.where(tl[b] + t[:, None] <= limit, loads[b], np.inf)
             j = np.argmin(cand, 1)
@@ -135,10 +136,16 @@ def _within_buckets(method, costs, tokens, bucket, n_buckets: int, m: int, cap, 
     return _lpt_rounds(costs, tokens, bucket, n_buckets, m, cap)
 
 
+def _profile(costs, bucket, mb, n_buckets: int, n_mb: int) -> tuple[np.ndarray, np.ndarray]:
+    """(bucket x microbatch loads, the largest j-th heaviest microbatch load of any bucket, for every j):
+    the profile's sum is the lockstep cost once microbatches are numbered heaviest first."""
+    loads = np.bincount(bucket * n_mb + mb, weights=costs, minlength=n_buckets * n_mb).reshape(n_buckets, n_mb)
+    return loads, np.sort(loads, 1)[:, ::-1].max(0)
+
+
 def _aligned_lockstep(costs, bucket, mb, n_buckets: int, n_mb: int) -> float:
     """Lockstep cost once every bucket's microbatches are numbered heaviest first (``_align_microbatches``)."""
-    loads = np.bincount(bucket * n_mb + mb, weights=costs, minlength=n_buckets * n_mb).reshape(n_buckets, n_mb)
-    return float(np.sort(loads, 1)[:, ::-1].max(0).sum())
+    return float(_profile(costs, bucket, mb, n_buckets, n_mb)[1].sum())
 
 
 def _fit_profile(costs, tokens, bucket, n_buckets: int, profile: np.ndarray, cap):
@@ -148,11 +155,10 @@ def _fit_profile(costs, tokens, bucket, n_buckets: int, profile: np.ndarray, cap
     item fits no microbatch's tokens. Vectorised over buckets when they are many and small, as in
     ``_within_buckets``."""
     n, m = len(costs), len(profile)
-    order = np.lexsort((-costs, bucket))                       # by bucket, costliest first
-    counts = np.bincount(bucket, minlength=n_buckets)
     limit = np.inf if cap is None else cap
     mb = np.empty(n, np.int64)
     if n / max(n_buckets, 1) > n_buckets:                      # few full buckets: one pass over the items
+        order = np.lexsort((-costs, bucket))                   # by bucket, costliest first
         aim = profile.tolist()
         loads = [[0.0] * m for _ in range(n_buckets)]
         tl = [[0] * m for _ in range(n_buckets)]
@@ -172,12 +178,9 @@ def _fit_profile(costs, tokens, bucket, n_buckets: int, profile: np.ndarray, cap
             tk[j] += t
             mb[i] = j
         return mb
-    rank = np.empty(n, np.int64)
-    rank[order] = np.arange(n) - (np.cumsum(counts) - counts)[bucket[order]]
     loads = np.zeros((n_buckets, m))
     tl = np.zeros((n_buckets, m), np.int64)
-    by_rank = order[np.argsort(rank[order], kind="stable")]
-    for sel in np.split(by_rank, np.searchsorted(rank[by_rank], np.arange(1, counts.max(initial=0)))):
+    for sel in _rounds(costs, bucket, n_buckets):
         b, c, t = bucket[sel], costs[sel], tokens[sel]
         fits = tl[b] + t[:, None] <= limit
         if not fits.any(1).all():
@@ -200,8 +203,7 @@ def _refit_rows(costs, tokens, bucket, mb, n_buckets: int, cap) -> np.ndarray:
     if not len(mb):
         return mb
     n_mb = int(mb.max()) + 1
-    loads = np.bincount(bucket * n_mb + mb, weights=costs, minlength=n_buckets * n_mb).reshape(n_buckets, n_mb)
-    profile = np.sort(loads, 1)[:, ::-1].max(0)
+    loads, profile = _profile(costs, bucket, mb, n_buckets, n_mb)
     if profile.sum() <= (1 + SKIP_SLACK) * loads.sum(1).max():     # the lockstep cost is never below a total
         return mb
     new = _fit_profile(costs, tokens, bucket, n_buckets, profile, cap)
