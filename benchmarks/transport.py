@@ -21,7 +21,8 @@ Figures, per sample (the step's wall time / samples in it, the median over steps
   costs when the round-trip latency overlaps other work, as the refill overlaps it in a job);
 * ``cpu_us``: CPU time of the two worker processes per sample in the stream run (sender + receiver);
 * floors: ``empty_call_rtt_us_per_put``, the round trip of a call without arguments between the two
-  processes (TensorPipe and the actor hand-offs: every put pays it, whatever carries its bytes), and
+  processes, run on the sink actor's own thread (TensorPipe or the lane, and the hand-over to the actor's
+  thread; a ``put``, quick, skips that hand-over on a lane when the sink is idle), and
   ``pack_unpack_us``, packing and unpacking a put's samples in one process, per sample.
 
 Every run checks the samples arrived bit-identical (a checksum per sample, computed on each side).
@@ -75,7 +76,10 @@ def _cpu() -> float:
 
 
 class Sink:
-    """A Data Constructor's ``put``: keep the step's samples (dropping the previous step's)."""
+    """A Data Constructor's ``put``: keep the step's samples (dropping the previous step's). Like
+    ``ConstructorActor.put`` it is quick: the lane thread that receives it may run it."""
+
+    QUICK_METHODS = frozenset({"put"})
 
     def __init__(self):
         self.held: dict = {}

@@ -2,8 +2,9 @@
 instead of TensorPipe, in the same order as the calls that went over RPC before it opened; answers,
 errors, tensors (in shared memory or, with that off, as the frame's own bytes) arrive the same; a
 lane call times out as an RPC call does, fails as ActorDied at once when the peer is killed, a
-connection without the peer's secret is served nothing, OVERLORD_RPC_LANE=0 keeps every call on
-RPC, and nothing (thread, socket) is left once the group ends."""
+connection without the peer's secret is served nothing, a quick method runs on the lane's thread in
+order, OVERLORD_RPC_LANE=0 keeps every call on RPC, and nothing (thread, socket) is left once the
+group ends."""
 
 from __future__ import annotations
 
@@ -52,6 +53,21 @@ class Counter:
 
     def lane_address(self):
         return lane._address()
+
+
+class QuickCounter(Counter):
+    """A Counter whose ``add`` and ``thread`` are quick: the lane thread that receives them may run them."""
+
+    QUICK_METHODS = frozenset({"add", "thread"})
+
+    def thread(self):
+        return threading.current_thread().name
+
+    def slow_thread(self):
+        return threading.current_thread().name
+
+    def slow_add(self, k):
+        return self.add(k)
 
 
 def _until(condition, timeout: float = 30.0, what: str = "") -> None:
@@ -149,6 +165,20 @@ def test_a_connection_without_the_secret_is_served_nothing(group):
     _until(lambda: group.call("guarded", "lane_stats", timeout=30).result(40)["refused"] == refused + 1, 10,
            "the wrong secret is counted as refused")
     assert group.call("guarded", "add", 1, timeout=30).result(40) == 1
+
+
+def test_quick_methods_run_on_the_lane_thread_and_keep_the_order(group):
+    """A quick method (``QUICK_METHODS``) of an idle actor runs on the lane thread that received it, any
+    other on the actor's thread; behind a call still running, quick calls queue and keep their order."""
+    group.start_actor("quick", QuickCounter, worker=1)
+    _until(lambda: (group.call("quick", "add", 0, timeout=30).result(40) == 0
+                    and lane.route(group.worker_name(1)) is not None), 30, "lane to worker 1")
+    assert group.call("quick", "thread", timeout=30).result(40).startswith("overlord-lane-serve")
+    assert group.call("quick", "slow_thread", timeout=30).result(40).startswith("overlord-actor-")
+    futs = [group.call("quick", "block", 0.3, timeout=30)]
+    futs += [group.call("quick", "add" if k % 2 else "slow_add", k, timeout=30) for k in range(1, 41)]
+    assert [f.result(40) for f in futs[1:]] == [sum(range(1, k + 1)) for k in range(1, 41)]
+    assert group.call("quick", "history", timeout=30).result(40) == list(range(41))
 
 
 def test_zy_a_send_to_a_frozen_peer_is_bounded(group, monkeypatch):

@@ -258,9 +258,12 @@ def _packed(result, caller: str | None = None) -> tuple:
         return pack(Failure(e))
 
 
-def dispatch(name: str, caller: str, seq: int, method: str, data: bytes, buffer, send: Callable[[tuple], None]) -> None:
+def dispatch(name: str, caller: str, seq: int, method: str, data: bytes, buffer, send: Callable[[tuple], None],
+             here: bool = False) -> None:
     """Queue call ``seq`` of ``caller`` on actor ``name``, however it came (RPC or a :mod:`.lane`);
-    ``send(packed)`` takes the packed answer, from whichever thread completes it."""
+    ``send(packed)`` takes the packed answer, from whichever thread completes it. ``here``: the
+    thread that received the call runs it when the method is one of the actor's ``QUICK_METHODS``
+    and the actor is idle with nothing queued (no hand-over to the actor's thread)."""
     actor = _actor(name)
     if actor is None:
         send(pack(_closed_job(name)))
@@ -269,7 +272,8 @@ def dispatch(name: str, caller: str, seq: int, method: str, data: bytes, buffer,
         args, kwargs = unpack(data, buffer)
     except Exception as e:                  # noqa: BLE001 - the call still takes its place in the order
         method, args, kwargs = None, (e,), {}
-    actor.submit(caller, seq, method, args, kwargs, lambda result: send(_packed(result, caller)))
+    actor.submit(caller, seq, method, args, kwargs, lambda result: send(_packed(result, caller)),
+                 inline=here and method in getattr(type(actor.obj), "QUICK_METHODS", ()))
 
 
 @rpc.functions.async_execution

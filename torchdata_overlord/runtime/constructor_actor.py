@@ -66,6 +66,10 @@ class _Work:
 class ConstructorActor(RoleActor):
     """``ConstructorActor(index, seq_len, pad_id, ignore_index, image_token_id, peers, timeout, store=None)``."""
 
+    #: Short, no I/O, never waiting on another actor (builds and forwards start elsewhere): a lane's
+    #: reader thread that receives one of these calls may run it itself (``_rpc_worker.dispatch``).
+    QUICK_METHODS = frozenset({"put", "commit", "fail", "fetch"})
+
     def __init__(self, index: int, seq_len, pad_id: int, ignore_index: int, image_token_id, peers, timeout: float,
                  store=None, build_thread: bool = True):
         self.index, self.peers, self.timeout, self.store = index, peers, float(timeout), store

@@ -20,6 +20,11 @@ secret first: the peer serves only connections that know it (abstract socket nam
 ``/proc/net/unix``; the secret travels only over the group's RPC). A peer that cannot be reached so
 (another host, another network namespace, lanes off there) is remembered as such: RPC it is.
 
+A call that arrives on a lane is handed to the actor's thread, except a *quick* one (a method in the
+actor class's ``QUICK_METHODS``: a Data Constructor's ``put``, ``commit``, ``fail``, ``fetch``), which the
+lane's reader thread runs itself when the actor is idle with nothing queued: one thread hand-over less
+per call, in the same order (``_rpc_worker.dispatch``).
+
 Frames, both ways: a 28-byte header (kind, call id, three lengths), a small pickle (the call's
 address, or nothing for an answer), the message's pickle, and the tensor buffer's bytes when it is
 not in shared memory (an arena that is full, or a message too large for it).
@@ -194,7 +199,7 @@ class _Listener:
                 key, caller, seq, method = address
                 with _LOCK:
                     _STATS["served"] += 1
-                dispatch(key, caller, seq, method, data, buffer, lambda packed, cid=cid: answer(cid, packed))
+                dispatch(key, caller, seq, method, data, buffer, lambda packed, cid=cid: answer(cid, packed), here=True)
         except (OSError, EOFError):
             pass                          # the caller left (or this group ended): nothing to answer
         except Exception as e:            # noqa: BLE001 - a frame that does not parse: drop this caller
