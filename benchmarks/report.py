@@ -523,8 +523,10 @@ def transport_table(data: dict) -> list[str]:
                       f"hand-off {v[best + '_handoff_us_52kib']:.0f} us ({'meets' if v['handoff_meets_target'] else 'misses'}), "
                       f"stream {v[best + '_stream_us_52kib']:.0f} us ({'meets' if v['stream_meets_target'] else 'misses'}); "
                       f"every sample bit-identical: {v['all_identical']}."
-                  + (f" An empty call between the two processes takes {v['empty_call_rtt_us_per_put']:.0f} us on the "
-                     f"{best} path ({v['empty_call_rtt_us_per_sample']:.0f} us per sample of a put of {c['samples']}"
+                  + (f" An empty call between the two processes, run on the actor's own thread, takes "
+                     f"{v['empty_call_rtt_us_per_put']:.0f} us on the {best} path "
+                     f"({v['empty_call_rtt_us_per_sample']:.0f} us per sample of a put of {c['samples']}; a put, quick, "
+                     f"skips the hand-over to the actor's thread on a lane when the constructor is idle"
                      + (f"; {v['empty_call_rtt_us_per_put_tensorpipe']:.0f} us over TensorPipe"
                         if "empty_call_rtt_us_per_put_tensorpipe" in v else "")
                      + (f"; TensorPipe's own round trip, without the actor, its ordering or the wire format: "
