@@ -37,9 +37,11 @@ and all are measured over the same number of samples (``steps x global_batch``) 
   wrapped in timers. Over the measured steps, overhead = wall time - time inside the transforms -
   time inside ``ParquetSource.next_raw`` (the reading both sides do), and the overhead fraction is
   that over the transform time (the baseline's serial run reports the same figure for the
-  DataLoader). Each run is repeated (``--repeats``) and the median reported. When the target is
-  missed, a cProfile of the library's own per-step work (buffers filled beforehand, so no reads or
-  transforms in it) prints its top 10, saved in the JSON.
+  DataLoader). A library thread running beside the transforms in this pass would lower the fraction
+  without lowering the cost (the transforms then wait for the GIL, which counts as transform time):
+  read it with the serial samples/s ratio. Each run is repeated (``--repeats``) and the median
+  reported. When the target is missed, a cProfile of the library's own per-step work (buffers
+  filled beforehand, so no reads or transforms in it) prints its top 10, saved in the JSON.
 
 Prints a table and writes ``benchmarks/results/e2e_throughput.json``; exits non-zero only when a
 run failed, never because a figure disappointed.

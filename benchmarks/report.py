@@ -82,7 +82,11 @@ def e2e_throughput_table(data: dict) -> list[str]:
                           if k != "transform" and not k.startswith("read") and x / ph["transform"] >= 0.005)
         lines += ["", f"- overhead (serial pass, wall - transform - Parquet read): "
                       f"{100 * v['overhead_fraction']:.1f}% of the transform time, {v['overhead_ms_per_step']:.1f} ms "
-                      f"per step ({'meets' if v['meets_target'] else 'misses'} the <= {pct:.0f}% target): {parts}."]
+                      f"per step ({'meets' if v['meets_target'] else 'misses'} the <= {pct:.0f}% target): {parts}."
+                  + (f" The serial pass runs at {v['ratio_overlord_serial_over_dataloader_serial']:.2f}x the serial "
+                     f"DataLoader's samples/s: read the two together, since a library thread running beside the "
+                     f"transforms makes them wait for the GIL, which this fraction counts as transform time."
+                     if "ratio_overlord_serial_over_dataloader_serial" in v else "")]
         prof = (data.get("profile") or {}).get("top_tottime") or []
         if prof and not v["meets_target"]:
             wall = data["profile"]["profiled_wall_s"] or 1.0
