@@ -126,12 +126,17 @@ def _lpt_rounds(costs, tokens, bucket, n_buckets: int, m: int, cap) -> np.ndarra
     return mb
 
 
+def _few_full_buckets(n: int, n_buckets: int) -> bool:
+    """Whether a bucket holds more items than there are buckets: then work goes bucket by bucket (or
+    item by item), else vectorised over the buckets (one call per bucket would cost more than the work)."""
+    return n / max(n_buckets, 1) > n_buckets
+
+
 def _within_buckets(method, costs, tokens, bucket, n_buckets: int, m: int, cap, used: set) -> np.ndarray:
     """Balance microbatches inside each bucket: with the method, bucket by bucket, when buckets are
     few and full; with vectorised LPT across all buckets when they are many and small (where one
     method call per bucket would cost more than the balancing itself)."""
-    per_bucket = len(costs) / max(n_buckets, 1)
-    if per_bucket > n_buckets:
+    if _few_full_buckets(len(costs), n_buckets):
         return _per_bucket(method, costs, tokens, bucket, n_buckets, m, cap, used)
     return _lpt_rounds(costs, tokens, bucket, n_buckets, m, cap)
 
@@ -157,7 +162,7 @@ def _fit_profile(costs, tokens, bucket, n_buckets: int, profile: np.ndarray, cap
     n, m = len(costs), len(profile)
     limit = np.inf if cap is None else cap
     mb = np.empty(n, np.int64)
-    if n / max(n_buckets, 1) > n_buckets:                      # few full buckets: one pass over the items
+    if _few_full_buckets(n, n_buckets):                        # one pass over the items
         order = np.lexsort((-costs, bucket))                   # by bucket, costliest first
         aim = profile.tolist()
         loads = [[0.0] * m for _ in range(n_buckets)]
