@@ -12,8 +12,10 @@ prints its result as JSON on stdout. Same number of processes, three in all:
 * ``local``: one process; ``OverlordLoader(runtime="local", workers=2)`` (a 2-thread transform pool per
   source, sources filled one after another, planning/packing in the prefetch thread);
 * ``rpc``: the main process + ``n_workers=2`` RPC worker processes holding the Planner, the four Source
-  Loaders and the two Data Constructors (one per DP group), ``workers=0`` in each Source Loader (one
-  transform at a time per actor); samples go loader -> constructor -> trainer.
+  Loaders and the two Data Constructors (one per DP group), round robin, every other setting at its
+  default: each Source Loader's transform threads are measured (``chain_threads``: a source with more
+  than half the loaders' CPU on 2 cores gets 2, the others transform inline; ``transform_workers`` in
+  the JSON); samples go loader -> constructor -> trainer.
 
 The OverlordLoader runs plan a ``dp=2, cp=2`` mesh (Karmarkar-Karp on attention FLOPs, 4 microbatches)
 with ``rank=None``: every rank's output is built and consumed in the trainer process, so every run
@@ -166,9 +168,9 @@ def pct(xs, q) -> float:
 
 
 def runtime_kwargs(runtime: str) -> dict:
-    """3 processes for rpc (the trainer + WORKERS role workers, one transform at a time per Source Loader);
+    """3 processes for rpc (the trainer + WORKERS role workers; transform threads measured, the default);
     a WORKERS-thread transform pool per source for local."""
-    return {"n_workers": WORKERS, "workers": 0} if runtime == "rpc" else {"workers": WORKERS}
+    return {"n_workers": WORKERS} if runtime == "rpc" else {"workers": WORKERS}
 
 
 def overlord_loader(runtime: str, corpus, a: dict, prefetch: int = TARGET["prefetch"],
@@ -239,7 +241,8 @@ def run_overlord(runtime: str, corpus, a: dict) -> dict:
         lat["wait_p50_ms_per_microbatch"] = lat["wait_p50_ms"] / MICROBATCHES
         lat["wait_p99_ms_per_microbatch"] = lat["wait_p99_ms"] / MICROBATCHES
     return {"runtime": runtime, "processes": 1 + (WORKERS if runtime == "rpc" else 0),
-            "workers": kw, "mesh": MESH, "rank": None, "startup_s": first, "construct_s": t_built - t_start,
+            "workers": kw, "transform_workers": getattr(getattr(loader._job, "cfg", None), "workers", None),
+            "mesh": MESH, "rank": None, "startup_s": first, "construct_s": t_built - t_start,
             **thr, "latency": lats[0], "latencies": lats,
             "prefetch_sweep": {str(p): sweep[p] for p in sorted(sweep)}}
 
@@ -505,7 +508,7 @@ def main(argv=None) -> int:
            "labels": RUNS,
            "processes_note": ("DataLoader and rpc use 3 processes each: DataLoader = main + 2 worker processes (each opens every source, "
                               "files sharded); rpc = main + 2 RPC workers (Planner, 4 Source Loaders, 2 Data Constructors "
-                              "as actors, one transform at a time per Source Loader); local = 1 process with a "
+                              "as actors, round robin, transform threads measured); local = 1 process with a "
                               "2-thread transform pool per source (fewer processes, GIL-bound transforms)."),
            "transport_note": ("hand-over = wall time per step of moving the planned samples from the Source Loaders "
                               "to the Data Constructors (rpc: each loader's put RPCs until every constructor answered, "

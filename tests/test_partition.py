@@ -17,6 +17,7 @@ from torchdata_overlord.runtime.job_config import RoleConfig
 from torchdata_overlord.runtime.refs import PLANNER, constructor_actor, loader_actor, shadow_actor
 from torchdata_overlord.scaling import Placement, SourceProfile, auto_partition
 from torchdata_overlord.scaling.auto import actor_processes
+from torchdata_overlord.scaling.partition import chain_threads
 
 MiB = 1 << 20
 
@@ -104,6 +105,34 @@ def test_cpu_follows_weight_times_cost_and_cheap_sources_run_inline():
     assert video.actors * video.workers >= 2
     assert "inline" in p.sources["text"].reason and "2 actors x" in image.reason
     assert p.budget["cpu"] <= 16 and p.budget["loader_cores"] < 16
+
+
+def test_chain_threads_keep_every_source_within_its_share_of_the_cores():
+    share = {"long": 0.57, "web": 0.20, "caps": 0.13, "code": 0.10}
+    assert chain_threads(share, 2, 8) == {"long": 2, "web": 0, "caps": 0, "code": 0}     # 1.14 -> 2; the rest inline
+    assert chain_threads(share, 1, 8) == {"long": 0, "web": 0, "caps": 0, "code": 0}     # one core: nothing to gain
+    eight = chain_threads(share, 8, 8)
+    assert eight == {"long": 5, "web": 2, "caps": 2, "code": 0}                          # ceil(share * 8); 0.8 -> inline
+    assert all(share[n] * 8 / max(k, 1) <= 1 for n, k in eight.items())                  # no chain over total / cores
+    assert chain_threads(share, 64, 8)["long"] == 8                                       # capped at w_src
+
+
+@settings(max_examples=150, deadline=None)
+@given(jobs(), st.integers(1, 64))
+def test_thread_cores_only_add_threads_to_a_source_that_would_pace_the_step(job, thread_cores):
+    profiles, weights, kw = job
+    base = auto_partition(profiles, weights, **kw)
+    p = auto_partition(profiles, weights, **kw, thread_cores=thread_cores)
+    assert p.processes == base.processes and p.planner == base.planner and p.constructors == base.constructors
+    for n, sp in p.sources.items():
+        was = base.sources[n]
+        assert (sp.actors, sp.processes, sp.cpu) == (was.actors, was.processes, was.cpu)   # where, and the CPU estimate
+        threads, before = sp.actors * max(1, sp.workers), was.actors * max(1, was.workers)
+        assert 0 <= sp.workers <= kw["w_actor"] and threads >= before
+        if threads > before:
+            assert "pace the step" in sp.reason
+            assert sp.actors * sp.workers <= max(kw["w_src"], sp.actors)
+    assert p.budget["thread_cores"] == thread_cores and base.budget["thread_cores"] is None
 
 
 def test_memory_pressure_cuts_the_largest_row_groups_first_and_says_so():

@@ -197,3 +197,19 @@ def test_default_journal_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_journal_dir() == tmp_path / "home" / ".cache" / "torchdata_overlord" / "profiles"
+
+
+def test_chain_workers_give_a_source_with_most_of_the_cost_threads_by_the_cores(data, tmp_path):
+    """``n_workers=`` round robin keeps one actor per source; the measured transform threads keep a source
+    with most of the loaders' CPU from transforming one sample at a time while the others wait."""
+    from torchdata_overlord.scaling.auto import chain_workers
+
+    def strategy(g):
+        return g.mix(ol.Constant({"web": 0.5, "code": 0.5})).distribute("DP").balance("greedy")
+
+    sources = [source(data, Hashing(rounds=4000)), ol.ParquetSource("code", str(data / "a.parquet"), Cheap())]
+    mesh = ol.ClientPlaceTree(dp=2)
+    kw = dict(journal_dir=tmp_path / "journal")
+    assert chain_workers(sources, strategy, mesh, 8, 0, thread_cores=2, **kw) == {"web": 2, "code": 0}
+    assert chain_workers(sources, strategy, mesh, 8, 0, thread_cores=1, **kw) == {"web": 0, "code": 0}
+    assert chain_workers(sources, strategy, mesh, 8, 0, thread_cores=16, **kw) == {"web": 4, "code": 0}   # w_actor

@@ -111,7 +111,8 @@ class OverlordLoader:
     actors and transform workers by its share of the mixture's cost, packed into as few processes as
     the cores this process leaves free (see :mod:`torchdata_overlord.scaling`; ``loader.placement.render()``
     says where and why); a :class:`~torchdata_overlord.scaling.Placement` places by hand;
-    ``n_workers=N`` puts one actor per source round robin on N processes, as before. With a profiled
+    ``n_workers=N`` puts one actor per source round robin on N processes, as before, each with the measured
+    transform threads of ``placement="auto"`` unless ``workers=`` is given. With a profiled
     placement, ``autoscale=True`` (default; or a :class:`~torchdata_overlord.scaling.AutoScaler`) lets the
     Planner add loader actors to a source whose share of the mixture grows and take them back when it
     falls, resharding its unread row groups live (the batches do not change); with ``group=`` (a ``torch.distributed``

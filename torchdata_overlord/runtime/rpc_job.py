@@ -46,13 +46,15 @@ log = logging.getLogger("torchdata_overlord")
 
 
 class RpcJob(Job):
-    """``RpcJob(sources, strategy, mesh, global_batch, seq_len, seed=0, buffer_size=None, workers=0,
+    """``RpcJob(sources, strategy, mesh, global_batch, seq_len, seed=0, buffer_size=None, workers=None,
     image_token_id=None, pad_id=0, ignore_index=-100, n_workers=None, *, constructors=None, timeout=60,
     startup_timeout=60, stop_timeout=10, transport=None, group=None, address=None, client=None, spares=0,
     checkpoint_dir=None, snapshot_every=10, shadows=False, recovery_timeout=120)``:
     LocalJob's API (``step``, ``submit``, ``state_dict``, ``load_state_dict``, ``add_feedback``,
     ``step_index``, ``stats``, ``close``, context manager) with the roles in worker processes.
-    ``n_workers=None``: see :meth:`~.job_config.RoleConfig.default_workers`; ``spares`` more worker
+    ``n_workers=None``: see :meth:`~.job_config.RoleConfig.default_workers`; ``n_workers=N`` places one
+    actor per source round robin, each with its measured transform threads when ``workers=None``
+    (:func:`~torchdata_overlord.scaling.auto.chain_workers`); ``spares`` more worker
     processes start with the group and stay idle (RPC membership is fixed at start: a replacement
     must exist then).
     ``checkpoint_dir``, ``snapshot_every`` and ``shadows`` make failed roles replaceable (see
@@ -86,6 +88,12 @@ class RpcJob(Job):
         plan = self._placement(placement, sources, strategy, mesh, global_batch, seed, constructors, buffer_size,
                                checkpoint_dir, bool(shadows), n_workers, actors,
                                starts_roles=starts_roles)
+        if (workers is None and plan is None and placement == "auto" and n_workers is not None and actors == 1
+                and starts_roles and self._profilable(sources)):
+            from ..scaling.auto import chain_workers
+            from .job_config import usable_cores
+            workers = chain_workers(sources, strategy, mesh, global_batch, seed, thread_cores=usable_cores(),
+                                    checkpoint_dir=checkpoint_dir)
         cfg = RoleConfig(sources, strategy, mesh, global_batch, seq_len, seed, buffer_size, workers,
                          image_token_id, pad_id, ignore_index, constructors, clients, timeout, checkpoint_dir,
                          snapshot_every, bool(shadows), actors=actors, plan=plan, autoscale=autoscale)
@@ -151,17 +159,19 @@ class RpcJob(Job):
         if placement != "auto":
             raise ConfigError(f"placement must be 'auto', a torchdata_overlord.scaling.Placement or None (round robin "
                               f"over n_workers), got {placement!r}")
-        if n_workers is not None or actors != 1 or not starts_roles:
-            return None
-        from ..sources.base import Source
-        if not all(isinstance(s, Source) for s in sources):
-            return None                     # specs or names only: nothing to profile here
+        if n_workers is not None or actors != 1 or not starts_roles or not RpcJob._profilable(sources):
+            return None                     # round robin (specs or names only: nothing to profile here)
         from .job_config import usable_cores
         from ..scaling.auto import auto_placement
         dp = mesh.sizes.get("dp", 1)
         return auto_placement(sources, strategy, mesh, global_batch, seed, constructors or dp,
                               cores=max(1, usable_cores() - 1), shadows=shadows, checkpoint_dir=checkpoint_dir,
-                              buffer_size=buffer_size)
+                              buffer_size=buffer_size, thread_cores=usable_cores())
+
+    @staticmethod
+    def _profilable(sources: list) -> bool:
+        from ..sources.base import Source
+        return all(isinstance(s, Source) for s in sources)
 
     def _fit_workers(self) -> None:
         """A job sharing this process's RPC group with another (see rpc_session) places its roles and

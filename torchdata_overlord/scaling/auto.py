@@ -13,11 +13,11 @@ from ..plane.mixture_probe import mixture_schedule
 from ..roles.loader_parts import part_key
 from ..runtime.refs import PLANNER, constructor_actor, loader_actor, shadow_actor
 from .journal import ProfileJournal, default_journal_dir
-from .partition import auto_partition
+from .partition import auto_partition, chain_threads, demand_shares, normalise_weights
 from .placement import Placement
 from .profile import profile_sources
 
-__all__ = ["auto_placement", "actor_processes", "memory_budget", "MEMORY_SHARE"]
+__all__ = ["auto_placement", "chain_workers", "actor_processes", "memory_budget", "MEMORY_SHARE"]
 
 log = logging.getLogger("torchdata_overlord")
 
@@ -47,27 +47,47 @@ def _weights(strategy: Callable, mesh, names: list[str], global_batch: int, seed
         return {n: 1.0 for n in names}
 
 
-def auto_placement(sources: list, strategy: Callable, mesh, global_batch: int, seed: int, constructors: int, *,
-                   cores: int, shadows: bool = False, checkpoint_dir: str | None = None,
-                   buffer_size: Any = None, journal_dir: str | os.PathLike | None = None) -> Placement:
-    """Profile ``sources`` (Source objects; their journal entries when the files and transform are
-    unchanged) and partition them: see :func:`~.partition.auto_partition`. ``cores``: what the roles
-    may use (the trainer's core already taken off)."""
-    t0 = time.perf_counter()
-    journal = ProfileJournal(journal_dir or default_journal_dir(checkpoint_dir))
-    profiles = profile_sources(sources, journal)
+def _profiles(sources: list, journal_dir) -> dict:
+    """Every source's profile (journaled); the memory the profiling decoded here is given back."""
+    profiles = profile_sources(sources, ProfileJournal(journal_dir))
     try:                                    # profiling decoded a row group per source here: give it back
         import pyarrow as pa
         pa.default_memory_pool().release_unused()
     except Exception:  # noqa: BLE001
         pass
+    return profiles
+
+
+def auto_placement(sources: list, strategy: Callable, mesh, global_batch: int, seed: int, constructors: int, *,
+                   cores: int, shadows: bool = False, checkpoint_dir: str | None = None,
+                   buffer_size: Any = None, journal_dir: str | os.PathLike | None = None,
+                   thread_cores: int | None = None) -> Placement:
+    """Profile ``sources`` (Source objects; their journal entries when the files and transform are
+    unchanged) and partition them: see :func:`~.partition.auto_partition`. ``cores``: what the roles
+    may use (the trainer's core already taken off); ``thread_cores``: what their threads can run on."""
+    t0 = time.perf_counter()
+    profiles = _profiles(sources, journal_dir or default_journal_dir(checkpoint_dir))
     names = [s.name for s in sources]
     buffer = buffer_size if isinstance(buffer_size, int) else None
     placement = auto_partition({n: profiles[n] for n in names}, _weights(strategy, mesh, names, global_batch, seed),
                                cores=max(1, cores), memory_bytes=memory_budget(), constructors=constructors,
-                               global_batch=global_batch, buffer_size=buffer, shadows=shadows)
+                               global_batch=global_batch, buffer_size=buffer, shadows=shadows,
+                               thread_cores=thread_cores)
     log.info("placement by measured cost in %.2f s:\n%s", time.perf_counter() - t0, placement.render())
     return placement
+
+
+def chain_workers(sources: list, strategy: Callable, mesh, global_batch: int, seed: int, *, thread_cores: int,
+                  checkpoint_dir: str | None = None, journal_dir: str | os.PathLike | None = None,
+                  w_actor: int = 4) -> dict[str, int]:
+    """Transform workers per source for ``n_workers=`` round robin (one actor per source, placed by
+    hand): the measured :func:`~.partition.chain_threads` of each source on ``thread_cores`` cores, so
+    that a source with most of the loaders' CPU does not run its transforms one at a time."""
+    profiles = _profiles(sources, journal_dir or default_journal_dir(checkpoint_dir))
+    names = [s.name for s in sources]
+    weight = normalise_weights(names, _weights(strategy, mesh, names, global_batch, seed), [])
+    share = demand_shares({n: profiles[n] for n in names}, weight)
+    return {n: min(w_actor, k) for n, k in chain_threads(share, thread_cores, w_actor).items()}
 
 
 def actor_processes(placement: Placement, shadow_keys: bool) -> dict[str, int]:

@@ -95,7 +95,8 @@ class AutoScaler:
         again = auto_partition(profiles, weights, cores=b["cores"], memory_bytes=b["memory_bytes"],
                                constructors=len(p.constructors), global_batch=b["global_batch"],
                                buffer_size=b.get("buffer_size"), w_src=b.get("w_src", 8), w_actor=b.get("w_actor", 4),
-                               cluster_size=b.get("cluster_size", 4), max_processes=b.get("max_processes"))
+                               cluster_size=b.get("cluster_size", 4), max_processes=b.get("max_processes"),
+                               thread_cores=b.get("thread_cores"))
         return {n: (sp.actors, sp.workers) for n, sp in again.sources.items()}
 
     def stats(self) -> dict:
