@@ -87,7 +87,7 @@ def chain_workers(sources: list, strategy: Callable, mesh, global_batch: int, se
     names = [s.name for s in sources]
     weight = normalise_weights(names, _weights(strategy, mesh, names, global_batch, seed), [])
     share = demand_shares({n: profiles[n] for n in names}, weight)
-    return {n: min(w_actor, k) for n, k in chain_threads(share, thread_cores, w_actor).items()}
+    return chain_threads(share, thread_cores, w_actor)
 
 
 def actor_processes(placement: Placement, shadow_keys: bool) -> dict[str, int]:

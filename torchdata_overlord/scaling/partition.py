@@ -111,7 +111,7 @@ def auto_partition(profiles: Mapping[str, SourceProfile], weights: Mapping[str, 
     chain = chain_threads(share, thread_cores, w_src) if thread_cores else {}
     paced = [n for n in chain if chain[n] > actors[n] * max(1, shape[n][1])]
     for n in paced:
-        shape[n] = (actors[n], min(w_actor, -(-chain[n] // actors[n])))
+        shape[n] = (actors[n], min(w_actor, -(-chain[n] // actors[n]), max(1, w_src // actors[n])))
     n_proc = processes(actors)
     where, load = _pack([(PLANNER_CORES, 0, ("planner",))]
                         + [(cpu[n], actor_bytes[n], ("loader", n, j)) for n in names for j in range(actors[n])]
@@ -178,7 +178,8 @@ def chain_threads(share: Mapping[str, float], cores: int, cap: int) -> dict[str,
     cores, and a source with ``k`` threads at least ``share * total / k``, so ``k >= share * cores``
     (capped at ``cap``). The worker blocks above follow the CPU budget; this follows the cores a
     transform that releases the GIL (a tokenizer, an image decoder) can run on: on 2 cores, one source
-    with 57% of the loaders' CPU on one thread held the rpc runtime to 0.8x of its speed with two."""
+    with 57% of the loaders' CPU on one thread held the rpc runtime (``n_workers=2``) to 0.8x of its
+    speed with two."""
     out = {}
     for n, s in share.items():
         k = math.ceil(s * cores - 1e-9)
