@@ -85,15 +85,9 @@ class RpcJob(Job):
             from .rpc_session import preload_also, prestart_fork_server
             preload_also(m for s in sources for m in getattr(getattr(s, "transform", None), "preload", ()))
             prestart_fork_server()          # its torch import overlaps the profiling and placement below
-        plan = self._placement(placement, sources, strategy, mesh, global_batch, seed, constructors, buffer_size,
-                               checkpoint_dir, bool(shadows), n_workers, actors,
-                               starts_roles=starts_roles)
-        if (workers is None and plan is None and placement == "auto" and n_workers is not None and actors == 1
-                and starts_roles and self._profilable(sources)):
-            from ..scaling.auto import chain_workers
-            from .job_config import usable_cores
-            workers = chain_workers(sources, strategy, mesh, global_batch, seed, thread_cores=usable_cores(),
-                                    checkpoint_dir=checkpoint_dir)
+        plan, workers = self._placement(placement, sources, strategy, mesh, global_batch, seed, constructors,
+                                        buffer_size, checkpoint_dir, bool(shadows), n_workers, actors, workers,
+                                        starts_roles=starts_roles)
         cfg = RoleConfig(sources, strategy, mesh, global_batch, seq_len, seed, buffer_size, workers,
                          image_token_id, pad_id, ignore_index, constructors, clients, timeout, checkpoint_dir,
                          snapshot_every, bool(shadows), actors=actors, plan=plan, autoscale=autoscale)
@@ -147,31 +141,34 @@ class RpcJob(Job):
 
     @staticmethod
     def _placement(placement, sources, strategy, mesh, global_batch, seed, constructors, buffer_size, checkpoint_dir,
-                   shadows, n_workers, actors, starts_roles):
-        """The :class:`~torchdata_overlord.scaling.Placement` this process starts the roles with: the one
-        given, or ``"auto"``'s (measured) when this process starts the roles and neither ``n_workers`` nor
-        ``actors`` overrides it; None: round robin over ``n_workers`` (see ``RoleConfig.placement``)."""
+                   shadows, n_workers, actors, workers, starts_roles):
+        """``(plan, workers)`` this process starts the roles with. The plan: the
+        :class:`~torchdata_overlord.scaling.Placement` given, or ``"auto"``'s (measured) when this process
+        starts the roles and neither ``n_workers`` nor ``actors`` overrides it; None: round robin over
+        ``n_workers`` (see ``RoleConfig.placement``), whose actors get the measured transform threads
+        (:func:`~torchdata_overlord.scaling.auto.chain_workers`) unless ``workers`` is given."""
         from ..scaling import Placement
         if placement is None or isinstance(placement, Placement):
             if placement is not None and (n_workers is not None or actors != 1):
                 raise ConfigError("give either placement= (a Placement) or n_workers=/actors=, not both")
-            return placement
+            return placement, workers
         if placement != "auto":
             raise ConfigError(f"placement must be 'auto', a torchdata_overlord.scaling.Placement or None (round robin "
                               f"over n_workers), got {placement!r}")
-        if n_workers is not None or actors != 1 or not starts_roles or not RpcJob._profilable(sources):
-            return None                     # round robin (specs or names only: nothing to profile here)
+        from ..sources.base import Source
+        if actors != 1 or not starts_roles or not all(isinstance(s, Source) for s in sources):
+            return None, workers            # round robin (specs or names only: nothing to profile here)
         from .job_config import usable_cores
-        from ..scaling.auto import auto_placement
+        from ..scaling.auto import auto_placement, chain_workers
+        if n_workers is not None:
+            if workers is None:
+                workers = chain_workers(sources, strategy, mesh, global_batch, seed, thread_cores=usable_cores(),
+                                        checkpoint_dir=checkpoint_dir)
+            return None, workers
         dp = mesh.sizes.get("dp", 1)
         return auto_placement(sources, strategy, mesh, global_batch, seed, constructors or dp,
                               cores=max(1, usable_cores() - 1), shadows=shadows, checkpoint_dir=checkpoint_dir,
-                              buffer_size=buffer_size, thread_cores=usable_cores())
-
-    @staticmethod
-    def _profilable(sources: list) -> bool:
-        from ..sources.base import Source
-        return all(isinstance(s, Source) for s in sources)
+                              buffer_size=buffer_size, thread_cores=usable_cores()), workers
 
     def _fit_workers(self) -> None:
         """A job sharing this process's RPC group with another (see rpc_session) places its roles and
