@@ -109,12 +109,15 @@ def test_cpu_follows_weight_times_cost_and_cheap_sources_run_inline():
 
 def test_chain_threads_keep_every_source_within_its_share_of_the_cores():
     share = {"long": 0.57, "web": 0.20, "caps": 0.13, "code": 0.10}
-    assert chain_threads(share, 2, 8) == {"long": 2, "web": 0, "caps": 0, "code": 0}     # 1.14 -> 2; the rest inline
+    assert chain_threads(share, 2, 8) == {"long": 2, "web": 0, "caps": 0, "code": 0}     # 1.37 -> 2; the rest inline
     assert chain_threads(share, 1, 8) == {"long": 0, "web": 0, "caps": 0, "code": 0}     # one core: nothing to gain
     eight = chain_threads(share, 8, 8)
-    assert eight == {"long": 5, "web": 2, "caps": 2, "code": 0}                          # ceil(share * 8); 0.8 -> inline
+    assert eight == {"long": 6, "web": 2, "caps": 2, "code": 0}                          # ceil(share * 8 * 1.2); 0.96 -> inline
     assert all(share[n] * 8 / max(k, 1) <= 1 for n, k in eight.items())                  # no chain over total / cores
     assert chain_threads(share, 64, 8)["long"] == 8                                       # capped at w_src
+    # the same source profiled at 48% (a loaded moment) still gets its second thread; 40% does not
+    assert chain_threads({"long": 0.48, "web": 0.52}, 2, 8) == {"long": 2, "web": 2}
+    assert chain_threads({"long": 0.40, "web": 0.60}, 2, 8) == {"long": 0, "web": 2}
 
 
 @settings(max_examples=150, deadline=None)
