@@ -141,6 +141,14 @@ def runtimes_table(data: dict) -> list[str]:
                       f"{len(each['rpc']) - 1} more interleaved throughput-only rounds (target for rpc: >= 1.0x): "
                   + "; ".join(f"{k} {v[f'ratio_{k}_over_dataloader']:.3f}x ({', '.join(f'{x:.2f}' for x in each[k])})"
                               for k in ("local", "rpc")) + "."]
+    ra = [x for x in (runs.get("rpc", {}).get("read_ahead") or {}).values() if x]
+    used = sum(x["ready"] + x["waited"] + x["claimed"] for x in ra)
+    if used:
+        lines += ["", f"rpc read-ahead (each loader, between steps, reads and transforms the next step's rows): of the "
+                      f"{used:,} rows read ahead and then consumed by a refill, {100 * sum(x['ready'] for x in ra) / used:.0f}% "
+                      f"were transformed by then, {100 * sum(x['waited'] for x in ra) / used:.0f}% were being transformed "
+                      f"(the refill waited for them) and {100 * sum(x['claimed'] for x in ra) / used:.0f}% the refill "
+                      f"transformed itself."]
     lat = [(k, l) for k in ("local", "rpc") if k in runs for l in runs[k].get("latencies", [runs[k]["latency"]])]
     if lat:
         lines += ["", f"Trainer-observed `next()` wait with prefetch {data['target']['prefetch']} and a model step "

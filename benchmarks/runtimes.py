@@ -15,7 +15,9 @@ prints its result as JSON on stdout. Same number of processes, three in all:
   Loaders and the two Data Constructors (one per DP group), round robin, every other setting at its
   default: each Source Loader's transform threads are measured (``chain_threads``: a source with more
   than half the loaders' CPU on 2 cores gets 2, the others transform inline; ``transform_workers`` in
-  the JSON); samples go loader -> constructor -> trainer.
+  the JSON); between steps each loader reads and transforms the next step's rows ahead (``read_ahead``
+  in the JSON: rows read ahead, and of those consumed, how many were ready, waited for or transformed by
+  the refill itself); samples go loader -> constructor -> trainer.
 
 The OverlordLoader runs plan a ``dp=2, cp=2`` mesh (Karmarkar-Karp on attention FLOPs, 4 microbatches)
 with ``rank=None``: every rank's output is built and consumed in the trainer process, so every run
@@ -228,6 +230,7 @@ def run_overlord(runtime: str, corpus, a: dict) -> dict:
                "take": take}
         # 2. fetch latency under a model step, for each model size (the loader is the same, warm)
         lats = [latency_run(loader, it, model, model_ms, a) for model, model_ms in models]
+        read_ahead = {n: st.get("read_ahead") for n, st in loader._job.stats()["sources"].items()}
     # 3. (local) the same latency with prefetch 0 and 1, a loader each, against the first model size
     sweep = {TARGET["prefetch"]: lats[0]}
     if runtime == "local":
@@ -242,6 +245,7 @@ def run_overlord(runtime: str, corpus, a: dict) -> dict:
         lat["wait_p99_ms_per_microbatch"] = lat["wait_p99_ms"] / MICROBATCHES
     return {"runtime": runtime, "processes": 1 + (WORKERS if runtime == "rpc" else 0),
             "workers": kw, "transform_workers": getattr(getattr(loader._job, "cfg", None), "workers", None),
+            "read_ahead": read_ahead,
             "mesh": MESH, "rank": None, "startup_s": first, "construct_s": t_built - t_start,
             **thr, "latency": lats[0], "latencies": lats,
             "prefetch_sweep": {str(p): sweep[p] for p in sorted(sweep)}}

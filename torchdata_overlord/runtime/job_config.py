@@ -229,7 +229,7 @@ class RoleConfig:
 
     def loader_args(self, spec: SourceSpec) -> tuple:
         return (spec, self.get(self.buffer_size, spec.name, self.global_batch), self.get(self.workers, spec.name, 0) or 0,
-                self.image_token_id, self.timeout)
+                self.image_token_id, self.timeout, not self.in_process)
 
     def policy(self, spares: list) -> FaultPolicy:
         return FaultPolicy(self.store(), self.snapshot_every, self.shadows, list(spares),

@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from ..plane.records import BufferMeta
 from ..roles.loader_parts import part_key
 from ..roles.source_loader import SourceLoader, record_bytes
+from ..sources.read_ahead import ReadAhead
 from .refs import ConstructorRef
 from .role import RoleActor, gather
 from .step import JobReset
@@ -45,14 +46,17 @@ class LoaderActor(RoleActor):
     frozen Planner that woke up) are refused.
     """
 
-    def __init__(self, spec, buffer_size: int, workers: int, image_token_id: int | None, timeout: float, peers,
-                 part: tuple[int, int] = (0, 1)):
+    def __init__(self, spec, buffer_size: int, workers: int, image_token_id: int | None, timeout: float,
+                 read_ahead: bool, peers, part: tuple[int, int] = (0, 1)):
         source = spec.build(fresh=part[1] > 1)
         if part[1] > 1:
             if not hasattr(source, "shard"):
                 raise ConfigError(f"source {spec.name!r}: a {type(source).__name__} cannot be split into data-parallel "
                                   f"loaders (only sources read by row groups or files can); give it one loader actor")
             source.shard(*part)
+        # read_ahead (the rpc runtime): between steps, the rows of the next refill are read and transformed
+        self.ahead = ReadAhead(source) if read_ahead else None
+        source = self.ahead or source
         self.loader = SourceLoader(source, buffer_size, workers, image_token_id)
         self.name, self.timeout, self.peers = spec.name, float(timeout), peers
         self.part, self.key = tuple(part), part_key(spec.name, *part)
@@ -100,6 +104,8 @@ class LoaderActor(RoleActor):
             meta = self.loader.metadata()
         except Exception as e:              # noqa: BLE001 - the next step's error, not this one's
             meta, self.refill_error = None, e
+        if self.ahead is not None and meta is not None:    # and the step after's, until it is ordered
+            self.ahead.ahead(len(indices))
         gather(futs, self.timeout)
         self.sent["seconds"] += (max(acked) if len(acked) == len(futs) else time.perf_counter()) - t0 if futs else 0.0
         self.sent["samples"] += sum(len(idx) for idx in routes.values())
@@ -148,7 +154,7 @@ class LoaderActor(RoleActor):
 
     def stats(self) -> dict:
         return {**self.loader.stats(), "steps_delivered": self.delivered, "sent": dict(self.sent),
-                "part": list(self.part)}
+                "part": list(self.part), "read_ahead": None if self.ahead is None else dict(self.ahead.counts)}
 
     def get_state(self) -> dict:
         return self.loader.get_state()
