@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from ..plane.place_tree import ClientPlaceTree
 from ..roles.loader_parts import Parts
 from ..sources.base import Source
+from ..sources import read_ahead
 from ..sources.parquet import ParquetSource
 from .checkpoint_store import CheckpointStore
 from .constructor_actor import ConstructorActor
@@ -229,7 +230,7 @@ class RoleConfig:
 
     def loader_args(self, spec: SourceSpec) -> tuple:
         return (spec, self.get(self.buffer_size, spec.name, self.global_batch), self.get(self.workers, spec.name, 0) or 0,
-                self.image_token_id, self.timeout, not self.in_process)
+                self.image_token_id, self.timeout, not self.in_process and read_ahead.enabled())
 
     def policy(self, spares: list) -> FaultPolicy:
         return FaultPolicy(self.store(), self.snapshot_every, self.shadows, list(spares),

@@ -16,22 +16,32 @@ decode, a transform that raised, the end of the source) is raised where its row 
 would have been; a row skipped under ``on_error="skip"`` is counted in the source's ``skips`` when its
 transform ran, so up to ``n`` rows before it is consumed. ``load_state_dict`` drops the rows read
 ahead; ``close`` also stops the thread. Every other attribute is the source's own.
+
+The rpc runtime reads ahead in every loader; ``OVERLORD_READ_AHEAD=0`` in the trainer's environment
+turns it off for the jobs it starts.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 from typing import Any
 
-__all__ = ["ReadAhead"]
+__all__ = ["ReadAhead", "enabled"]
 
 log = logging.getLogger("torchdata_overlord")
 
 _PENDING, _TAKEN = 0, 1         # a row read ahead: nobody transforms it yet / somebody does
 _IDLE_WAIT = 1.0                # s the thread sleeps between looks at its stop flag while idle
 _JOIN_TIMEOUT = 30.0            # s close() waits for a transform in flight
+ENV = "OVERLORD_READ_AHEAD"
+
+
+def enabled() -> bool:
+    """Whether the jobs this process starts read ahead in their rpc loaders (``OVERLORD_READ_AHEAD``, on by default)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class _Row:
