@@ -138,7 +138,9 @@ def runtimes_table(data: dict) -> list[str]:
     each = {k: v.get(f"ratio_{k}_over_dataloader_each_round") for k in ("local", "rpc")}
     if all(each.values()):
         lines += ["", "Samples/s against the DataLoader, medians of the per-round ratios over the run above and "
-                      f"{len(each['rpc']) - 1} more interleaved throughput-only rounds (target for rpc: >= 1.0x): "
+                      f"{len(each['rpc']) - 1} more interleaved throughput-only rounds"
+                  + (f" of {c['throughput_steps']} steps" if c.get("throughput_steps") else "")
+                  + " (target for rpc: >= 1.0x): "
                   + "; ".join(f"{k} {v[f'ratio_{k}_over_dataloader']:.3f}x ({', '.join(f'{x:.2f}' for x in each[k])})"
                               for k in ("local", "rpc")) + "."]
     ra = [x for x in (runs.get("rpc", {}).get("read_ahead") or {}).values() if x]

@@ -27,8 +27,8 @@ Measured per OverlordLoader run, on one loader and one iterator:
 
 1. throughput: after ``warmup`` steps, ``steps`` steps consumed as fast as possible -> samples/s; then
    ``THROUGHPUT_ROUNDS`` more throughput-only runs of the DataLoader, local and rpc, interleaved (a fresh
-   subprocess each): the ratios to the DataLoader are the medians of the per-round ratios (one run each
-   moves by 10-20% on this shared machine);
+   subprocess each, ``throughput_steps`` steps: about 10 s, as a 40-step run of 2.5 s moved by 10-20%
+   on this shared machine): the ratios to the DataLoader are the medians of the per-round ratios;
 2. fetch latency: a simulated trainer step between ``next()`` calls: forward + backward + SGD step of a
    ``TransformerEncoderLayer`` on a fixed random batch (one torch thread), sized beforehand to take
    each of ``--model-ms`` (100 and 250 ms: about the loader's own pace for the whole global batch on
@@ -184,17 +184,18 @@ def overlord_loader(runtime: str, corpus, a: dict, prefetch: int = TARGET["prefe
 
 
 def run_throughput(kind: str, corpus, a: dict) -> dict:
-    """Samples/s alone, ``warmup`` + ``steps`` steps (no latency runs): one of the interleaved rounds whose
+    """Samples/s alone, ``warmup`` + ``throughput_steps`` steps (no latency runs): one of the interleaved rounds whose
     per-round ratios give the median ``ratio_<runtime>_over_dataloader``."""
     torch.set_num_threads(1)
+    steps = a.get("throughput_steps", a["steps"])
     if kind == "dataloader":
-        return run_dataloader(corpus, a)
+        return run_dataloader(corpus, a, steps)
     with overlord_loader(kind, corpus, a) as loader:
         it = iter(loader)
         for _ in range(a["warmup"]):
             e2e.consume(next(it))
         n, t0 = 0, time.perf_counter()
-        for _ in range(a["steps"]):
+        for _ in range(steps):
             n += e2e.consume(next(it))[0]
         dt = time.perf_counter() - t0
     return {"runtime": kind, "samples": n, "seconds": dt, "samples_per_s": n / dt}
@@ -319,9 +320,9 @@ def run_steprate(runtime: str, corpus, a: dict) -> dict:
             "processes": processes}
 
 
-def run_dataloader(corpus, a: dict) -> dict:
+def run_dataloader(corpus, a: dict, steps: int | None = None) -> dict:
     torch.set_num_threads(1)
-    r = e2e.run_baseline(corpus, WORKERS, a["global_batch"], a["warmup"], a["steps"], a["seed"], grouped=False)
+    r = e2e.run_baseline(corpus, WORKERS, a["global_batch"], a["warmup"], steps or a["steps"], a["seed"], grouped=False)
     r["processes"] = 1 + WORKERS
     return r
 
@@ -379,7 +380,7 @@ def main(argv=None) -> int:
          "latency_warmup": args.latency_warmup if args.latency_warmup is not None else (2 if args.quick else 5),
          "model_ms": [float(x) for x in str(args.model_ms).split(",")], "calib_reps": 3 if args.quick else 7,
          "steprate_warmup": 3 if args.quick else 10, "steprate_steps": 10 if args.quick else 300,
-         "throughput_rounds": 1 if args.quick else THROUGHPUT_ROUNDS}
+         "throughput_rounds": 1 if args.quick else THROUGHPUT_ROUNDS, "throughput_steps": 3 if args.quick else 150}
     t_all = time.perf_counter()
     load_start = round(os.getloadavg()[0], 2)
     corpus = build_demo_corpus(a["root"], scale=scale, seed=args.seed)    # build once, before the runs

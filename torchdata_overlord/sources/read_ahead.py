@@ -1,12 +1,14 @@
-"""Read ahead: a source whose next rows are read and transformed on a thread of their own, between steps.
+"""Read ahead: a source whose next rows are read, and transformed on a thread of their own, between steps.
 
 In the rpc runtime a Source Loader refills its buffer while its parts travel to the constructors
 (``LoaderActor.deliver``), answers, and then waits for the Planner, which orders the next step only
 once every loader answered. On a machine with few cores the loaders that finish first leave their
 cores idle until the slowest one is done: 12-16% of the CPU sat idle in ``benchmarks/runtimes.py``'s
-rpc run, 3-6% in the DataLoader's. :class:`ReadAhead` wraps a source so that, once told
-:meth:`~ReadAhead.ahead`\\ ``(n)``, a thread keeps the next ``n`` rows read and transformed; the next
-refill finds them done.
+rpc run, 3-6% in the DataLoader's. :class:`ReadAhead` wraps a source so that
+:meth:`~ReadAhead.ahead`\\ ``(n)`` reads the next ``n`` rows at once, on the caller's thread (reading is
+cheap, and the Arrow allocations of decoding stay on the loader's own thread: a thread per source
+that allocates costs memory, and processes host many sources), and a thread of its own transforms
+them; the next refill finds them done.
 
 What the Source Loader sees does not change: ``next_raw`` gives the same rows in the same order,
 ``apply`` the same sample (transformed ahead, or now when the thread has not reached it yet), and
@@ -57,14 +59,13 @@ class _Row:
 
 
 class ReadAhead:
-    """``ReadAhead(source)``: ``source`` with its next rows read and transformed ahead on request."""
+    """``ReadAhead(source)``: ``source`` with its next rows read, and transformed in the background, on request."""
 
     def __init__(self, source):
         self.inner = source
         self.name = source.name
         self._rows: collections.deque[_Row] = collections.deque()
-        self._cv = threading.Condition()          # guards the source's reading and position, and _rows
-        self._want = 0                             # rows to keep read ahead
+        self._cv = threading.Condition()          # guards the source's reading and position, _rows and their state
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._has_order = hasattr(source, "last_order")
@@ -114,7 +115,6 @@ class ReadAhead:
             if not self._rows:
                 return self.inner.next_raw()
             r = self._rows.popleft()
-            self._cv.notify()                      # room for one more ahead
         if r.error is not None:
             raise r.error
         return r.index, r, r.where
@@ -137,34 +137,37 @@ class ReadAhead:
         return row.sample
 
     def ahead(self, n: int) -> None:
-        """Keep the next ``n`` rows read and transformed (0: stop reading ahead; those read stay)."""
+        """Read the next rows until ``n`` are read ahead, here (the source's reading and its Arrow
+        allocations stay on the loader's thread: one such thread per source, as without reading ahead),
+        and have the read-ahead thread transform them. Reading stops at an error or the end."""
         with self._cv:
             if self._stopped:
                 return
-            self._want = max(0, int(n))
-            if self._want and self._thread is None:
+            while len(self._rows) < n and not (self._rows and self._rows[-1].error is not None):
+                at = self._at()
+                try:
+                    r = _Row(*self.inner.next_raw(), at)
+                except Exception as e:             # noqa: BLE001 - raised where the row is consumed
+                    r = _Row(None, None, None, at, error=e)
+                self._rows.append(r)
+                self.counts["read"] += 1
+            if self._thread is None and any(r.error is None for r in self._rows):
                 self._thread = threading.Thread(target=self._run, name=f"overlord-ahead-{self.name}", daemon=True)
                 self._thread.start()
-            self._cv.notify()
+            self._cv.notify_all()
+
+    def _pending(self) -> _Row | None:
+        """The oldest row read ahead that nobody transforms yet (the caller holds ``_cv``)."""
+        return next((r for r in self._rows if r.state == _PENDING and r.error is None), None)
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stopped and len(self._rows) >= self._want:
+                while not self._stopped and (r := self._pending()) is None:
                     self._cv.wait(_IDLE_WAIT)
                 if self._stopped:
                     return
-                at = self._at()
-                try:
-                    r = _Row(*self.inner.next_raw(), at)
-                except BaseException as e:         # noqa: BLE001 - raised where the row is consumed
-                    r = _Row(None, None, None, at, error=e)
-                    self._want = 0                 # nothing is read past an error or the end
-                self._rows.append(r)
-                self.counts["read"] += 1
-                if r.error is not None:
-                    continue
-                r.state = _TAKEN                   # (before the consumer can see it: this thread transforms it)
+                r.state = _TAKEN
             try:
                 r.sample = self.inner.apply(r.row, r.where)
             except BaseException as e:             # noqa: BLE001 - raised where the row is consumed
@@ -174,14 +177,11 @@ class ReadAhead:
                 self._cv.notify_all()              # (wait_ready)
 
     def wait_ready(self, timeout: float) -> bool:
-        """Wait until the rows asked for are read and transformed ahead (or reading ahead stopped at an
-        error or the end); False if ``timeout`` s passed first. For tests and benchmarks."""
-        def ready() -> bool:
-            full = len(self._rows) >= self._want or (self._rows and self._rows[-1].error is not None)
-            return self._stopped or (full and all(r.error is not None or r.done.is_set() for r in self._rows))
-
+        """Wait until every row read ahead is transformed; False if ``timeout`` s passed first. For tests
+        and benchmarks."""
         with self._cv:
-            return self._cv.wait_for(ready, timeout)
+            return self._cv.wait_for(
+                lambda: self._stopped or all(r.error is not None or r.done.is_set() for r in self._rows), timeout)
 
     # -- position and life -----------------------------------------------------------------------
     def load_state_dict(self, state: dict) -> None:
@@ -189,7 +189,6 @@ class ReadAhead:
         with self._cv:
             self.counts["dropped"] += len(self._rows)
             self._rows.clear()
-            self._want = 0
             self.inner.load_state_dict(state)
 
     @property
@@ -204,7 +203,7 @@ class ReadAhead:
     def close(self) -> None:
         """Stop the thread (after the transform it runs) and close the source."""
         with self._cv:
-            self._stopped, self._want = True, 0
+            self._stopped = True
             self._rows.clear()
             self._cv.notify_all()
             thread = self._thread
