@@ -140,3 +140,17 @@ def zigzag_bins(costs: np.ndarray, n_bins: int) -> np.ndarray:
     bins = np.empty(len(order), np.int64)
     bins[order] = np.where(row % 2 == 0, col, n_bins - 1 - col)
     return bins
+
+
+def numbered_parquet(d, seed: int, rows: tuple[int, int], row_groups: tuple[int, int], files: int = 3) -> str:
+    """``files`` Parquet files in ``d`` of one int column ``n`` numbering every row across them, each of
+    ``rows`` rows and row groups of ``row_groups`` rows (random ranges, uneven); their glob."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng, n = np.random.default_rng(seed), 0
+    for f in range(files):
+        k = int(rng.integers(*rows))
+        pq.write_table(pa.table({"n": np.arange(n, n + k)}), d / f"f{f}.parquet", row_group_size=int(rng.integers(*row_groups)))
+        n += k
+    return str(d / "*.parquet")

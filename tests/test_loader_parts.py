@@ -13,8 +13,6 @@ from __future__ import annotations
 import copy
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -22,6 +20,7 @@ from torchdata_overlord.plane.records import BufferMeta
 from torchdata_overlord.roles.loader_parts import merge_states, part_keys
 from torchdata_overlord.roles.source_loader import SourceLoader
 from torchdata_overlord.sources import ParquetSource
+from _support import numbered_parquet
 
 
 def _transform(row):
@@ -32,14 +31,7 @@ def _transform(row):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("parts")
-    rng, n = np.random.default_rng(0), 0
-    for f in range(3):
-        rows = int(rng.integers(40, 90))
-        pq.write_table(pa.table({"n": np.arange(n, n + rows)}), d / f"f{f}.parquet",
-                       row_group_size=int(rng.integers(6, 17)))
-        n += rows
-    return str(d / "*.parquet")
+    return numbered_parquet(tmp_path_factory.mktemp("parts"), seed=0, rows=(40, 90), row_groups=(6, 17))
 
 
 def _loaders(files, k, state=None, buffer=12):

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torchdata_overlord.roles.source_loader import SourceLoader
 from torchdata_overlord.sources import NodeSource, ParquetSource, SourceReadError
 from torchdata_overlord.sources.read_ahead import ReadAhead
+from _support import numbered_parquet
 
 WAIT = 30.0
 
@@ -35,14 +36,7 @@ def _transform(row):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ahead")
-    rng, n = np.random.default_rng(1), 0
-    for f in range(3):
-        rows = int(rng.integers(30, 70))
-        pq.write_table(pa.table({"n": np.arange(n, n + rows)}), d / f"f{f}.parquet",
-                       row_group_size=int(rng.integers(5, 14)))
-        n += rows
-    return str(d / "*.parquet")
+    return numbered_parquet(tmp_path_factory.mktemp("ahead"), seed=1, rows=(30, 70), row_groups=(5, 14))
 
 
 def _pair(files, buffer: int, **kw):
