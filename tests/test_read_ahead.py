@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from torchdata_overlord.roles.source_loader import SourceLoader
 from torchdata_overlord.sources import NodeSource, ParquetSource, SourceReadError
-from torchdata_overlord.sources.read_ahead import ReadAhead
+from torchdata_overlord.sources.read_ahead import ReadAhead, enabled
 from _support import numbered_parquet
 
 WAIT = 30.0
@@ -212,3 +212,12 @@ def test_close_stops_the_thread(files):
     assert not any(t.name == "overlord-ahead-s" for t in threading.enumerate())
     ahead.ahead(5)                                   # after close: nothing starts again
     assert not any(t.name == "overlord-ahead-s" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False), ("off", False), ("no", False)])
+def test_the_environment_switch(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv("OVERLORD_READ_AHEAD", raising=False)
+    else:
+        monkeypatch.setenv("OVERLORD_READ_AHEAD", value)
+    assert enabled() is on

@@ -36,7 +36,7 @@ __all__ = ["ReadAhead", "enabled"]
 log = logging.getLogger("torchdata_overlord")
 
 _PENDING, _TAKEN = 0, 1         # a row read ahead: nobody transforms it yet / somebody does
-_IDLE_WAIT = 1.0                # s the thread sleeps between looks at its stop flag while idle
+_IDLE_WAIT = 5.0                # s between looks at the stop flag (close() notifies; a process may host hundreds)
 _JOIN_TIMEOUT = 30.0            # s close() waits for a transform in flight
 ENV = "OVERLORD_READ_AHEAD"
 
