@@ -146,7 +146,8 @@ def runtimes_table(data: dict) -> list[str]:
     ra = [x for x in (runs.get("rpc", {}).get("read_ahead") or {}).values() if x]
     used = sum(x["ready"] + x["waited"] + x["claimed"] for x in ra)
     if used:
-        lines += ["", f"rpc read-ahead (each loader, between steps, reads and transforms the next step's rows): of the "
+        lines += ["", f"rpc read-ahead (between steps each loader reads the next step's rows and transforms "
+                      f"them on a thread of its own): of the "
                       f"{used:,} rows read ahead and then consumed by a refill, {100 * sum(x['ready'] for x in ra) / used:.0f}% "
                       f"were transformed by then, {100 * sum(x['waited'] for x in ra) / used:.0f}% were being transformed "
                       f"(the refill waited for them) and {100 * sum(x['claimed'] for x in ra) / used:.0f}% the refill "
