@@ -106,10 +106,13 @@ class HeavyTail(Hashing):
 def test_the_cost_is_the_mean_of_a_heavy_tail_without_the_first_calls_load(data):
     """P is what a loader spends per sample on average: a tail of costly rows counts (a median would
     see the cheap rows only), the first call's one-time load does not."""
-    flat = profile_source(source(data, Hashing(rounds=300)), rows=100)
-    tail = profile_source(source(data, HeavyTail(rounds=300)), rows=100)
     expected = 1 + 29 * sum(1 for i in range(200) if i % 10 == 0) / 200       # 3.9x the flat rows' mean
-    assert 0.6 * expected < tail.transform_s / flat.transform_s < 1.6 * expected
+    ratios = []
+    for _ in range(3):          # the median of 3 pairs measured back to back: one pair moved by 1.7x once, under load
+        flat = profile_source(source(data, Hashing(rounds=300)), rows=100)
+        tail = profile_source(source(data, HeavyTail(rounds=300)), rows=100)
+        ratios.append(tail.transform_s / flat.transform_s)
+    assert 0.6 * expected < sorted(ratios)[1] < 1.6 * expected, ratios
 
 
 @pytest.mark.parametrize("ahead", [0, 7, 50, 130])
