@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from torchdata_overlord.roles.source_loader import SourceLoader
 from torchdata_overlord.sources import NodeSource, ParquetSource, SourceReadError
-from torchdata_overlord.sources.read_ahead import ReadAhead, enabled
+from torchdata_overlord.runtime.switches import env_on
+from torchdata_overlord.sources.read_ahead import ReadAhead
 from _support import numbered_parquet
 
 WAIT = 30.0
@@ -220,4 +221,4 @@ def test_the_environment_switch(monkeypatch, value, on):
         monkeypatch.delenv("OVERLORD_READ_AHEAD", raising=False)
     else:
         monkeypatch.setenv("OVERLORD_READ_AHEAD", value)
-    assert enabled() is on
+    assert env_on("OVERLORD_READ_AHEAD") is on

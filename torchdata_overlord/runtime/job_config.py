@@ -25,6 +25,7 @@ from .loader_actor import LoaderActor
 from .planner_actor import PlannerActor
 from .fault_policy import FaultPolicy
 from .refs import PLANNER, LoaderRef, constructor_actor, loader_actor, role_names, shadow_actor
+from .switches import env_on
 from .transport import ActorDied, CallTimeout, Transport
 
 __all__ = ["SourceSpec", "LiveSource", "RoleConfig", "start_roles", "source_settings", "usable_cores"]
@@ -230,7 +231,7 @@ class RoleConfig:
 
     def loader_args(self, spec: SourceSpec) -> tuple:
         return (spec, self.get(self.buffer_size, spec.name, self.global_batch), self.get(self.workers, spec.name, 0) or 0,
-                self.image_token_id, self.timeout, not self.in_process and read_ahead.enabled())
+                self.image_token_id, self.timeout, not self.in_process and env_on(read_ahead.ENV))
 
     def policy(self, spares: list) -> FaultPolicy:
         return FaultPolicy(self.store(), self.snapshot_every, self.shadows, list(spares),

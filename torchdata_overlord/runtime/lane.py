@@ -46,6 +46,8 @@ import threading
 
 import torch
 
+from .switches import env_on
+
 __all__ = ["enabled", "set_enabled", "route", "reset", "stats", "Lane"]
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ def enabled() -> bool:
     if _SWITCH:
         return _SWITCH[0]
     if not _ENV_ON:
-        _ENV_ON.append(os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off"))
+        _ENV_ON.append(env_on(ENV))
     return _ENV_ON[0]
 
 

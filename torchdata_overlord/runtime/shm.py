@@ -48,6 +48,8 @@ import weakref
 
 import numpy as np
 
+from .switches import env_on
+
 __all__ = ["enabled", "set_enabled", "reset", "alloc", "free", "receive", "peer_ready", "ShmRef", "stats"]
 
 ENV, SIZE_ENV = "OVERLORD_RPC_SHM", "OVERLORD_RPC_SHM_MIB"
@@ -70,7 +72,7 @@ def enabled() -> bool:
     if _SWITCH:
         return _SWITCH[0]
     if not _ENV_ON:                             # read once per group (reset() reads it again)
-        _ENV_ON.append(os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off"))
+        _ENV_ON.append(env_on(ENV))
     return _ENV_ON[0]
 
 

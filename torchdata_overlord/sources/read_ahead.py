@@ -27,23 +27,17 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 from typing import Any
 
-__all__ = ["ReadAhead", "enabled"]
+__all__ = ["ReadAhead"]
 
 log = logging.getLogger("torchdata_overlord")
 
 _PENDING, _TAKEN = 0, 1         # a row read ahead: nobody transforms it yet / somebody does
 _IDLE_WAIT = 5.0                # s between looks at the stop flag (close() notifies; a process may host hundreds)
 _JOIN_TIMEOUT = 30.0            # s close() waits for a transform in flight
-ENV = "OVERLORD_READ_AHEAD"
-
-
-def enabled() -> bool:
-    """Whether the jobs this process starts read ahead in their rpc loaders (``OVERLORD_READ_AHEAD``, on by default)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+ENV = "OVERLORD_READ_AHEAD"      # the rpc runtime reads it (runtime/job_config.py)
 
 
 class _Row:
