@@ -34,6 +34,7 @@ __all__ = ["RpcSession", "open_spawned", "open_joined", "spawn_workers", "exited
 #: what the fork server imports once, so every worker (spares included) starts with it in shared pages
 PRELOAD = ["torch", "torch.distributed.rpc", "pyarrow.parquet", W.__name__, "torchdata_overlord.runtime.planner_actor",
            "torchdata_overlord.transforms"]
+_FREEZE = "torchdata_overlord.runtime._fork_freeze"   # imported last: freezes what the others made
 FIRST_JOB = "0/"
 _ALSO: list[str] = []                         # modules the jobs' transforms asked the fork server to import
 
@@ -55,7 +56,7 @@ def prestart_fork_server() -> None:
     seconds on a small machine, in its own process), so that import overlaps what this process does
     before it spawns the workers: profiling the sources, placing the roles."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD + _ALSO)
+    ctx.set_forkserver_preload(PRELOAD + _ALSO + [_FREEZE])
     from multiprocessing import forkserver
     forkserver.ensure_running()
 
@@ -66,7 +67,7 @@ def spawn_workers(members: list[tuple[str, int]], rendezvous: dict, rpc_timeout:
     list) is closed or its parent dies. Workers come from the fork server, which preloads torch."""
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD + _ALSO)
+        ctx.set_forkserver_preload(PRELOAD + _ALSO + [_FREEZE])
     procs, conns = [], []
     for name, rank in members:
         r, w = ctx.Pipe(duplex=False)
