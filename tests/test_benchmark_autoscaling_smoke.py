@@ -29,7 +29,11 @@ def test_autoscaling_quick_measures_every_configuration(tmp_path):
         assert r["pss_mib"]["peak"] >= r["pss_mib"]["steady"] > 0
         assert all(len(a) == steps for a in r["actors"].values())
         assert r["parts_sampled"][-1]["parts"] == {s: a[-1] for s, a in r["actors"].items()}
-        assert r["processes"] == data["placements"]["worst" if name == "static_worst" else "start"]["processes"]
+        placed = data["placements"]["worst" if name == "static_worst" else "start"]["processes"]
+        if name == "autoscale":     # a reshard may leave a role process without actors (the benchmark's observations
+            assert 1 <= r["processes"] <= placed    # say so); which one depends on timings taken under this load
+        else:
+            assert r["processes"] == placed
     static = [data["results"][n][0] for n in ("static_start", "static_worst")]
     assert all(not r["reshards"] and len(set(r["actors"]["image"])) == 1 for r in static)
     start, worst = (data["placements"][k]["sources"]["image"]["actors"] for k in ("start", "worst"))
