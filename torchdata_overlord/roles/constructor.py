@@ -36,7 +36,7 @@ outputs as read-only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -186,15 +186,22 @@ class _Image:
     patch_offset: int
 
 
-@dataclass
 class _Segment:
-    item: PlanItem
-    key: SampleKey
-    ids: torch.Tensor                             # the real tokens (a span shard: the real ones it holds)
-    padded: int | None = None                     # a span shard's length in the row, its padding included
-    span: dict | None = None                      # for a shard of a sequence spanning CP ranks
-    overrides: dict = field(default_factory=dict)  # labels / loss_mask / position_ids of a span shard
-    images: list = field(default_factory=list)
+    """What one microbatch places of one planned item (a plain slotted class: a build makes one per sample)."""
+
+    __slots__ = ("item", "key", "ids", "padded", "span", "overrides", "images")
+
+    def __init__(self, item: PlanItem, key: SampleKey, ids: np.ndarray):
+        self.item, self.key = item, key
+        self.ids = ids              # the real tokens (a span shard: the real ones it holds)
+        self.padded = None          # a span shard's length in the row, its padding included
+        self.span = None            # for a shard of a sequence spanning CP ranks
+        self.overrides = _NO_OVERRIDES   # labels / loss_mask / position_ids of a span shard (replaced, never mutated)
+        self.images = _NO_IMAGES    # _Image of the images it holds (a list of its own once it has one)
+
+
+_NO_OVERRIDES: Mapping = {}
+_NO_IMAGES: tuple = ()
 
 
 class DataConstructor:
@@ -290,16 +297,19 @@ class DataConstructor:
 
     def _segment(self, plan: Plan, bucket: int, m: int, item: PlanItem, samples) -> _Segment:
         """What microbatch ``m`` places of ``item``'s staged record: its tokens, images and CP span."""
-        key = item.key
-        record = self._sample(samples, key, plan.step, bucket, m)
+        key = SampleKey(item.source, item.index)
+        record = samples.get(key)
+        if record is None:
+            record = self._sample(samples, key, plan.step, bucket, m)
         ids = _text_ids(record)
-        if item.tokens == len(ids) and item.npieces == item.nshards == 1 and record.get("pixels") is None:
+        if item.tokens == len(ids) and item.npieces == 1 and item.nshards == 1 and record.get("pixels") is None:
             return _Segment(item, key, ids)     # a whole text sample (most of them): its ids as they are
         imgs = record_images(record)
         n = _placeholders(imgs, self.image_token_id)
         a, b = self._bounds(plan, item, n + len(ids))
         piece = _backbone(ids, self.image_token_id, n, a, b)
         seg = _Segment(item, key, piece)
+        seg.images = []
         if not imgs and item.nshards == 1:      # plain text
             return seg
         # where each image's placeholder run sits in the full sequence

@@ -211,6 +211,10 @@ class SourceLoader(BaseNode[tuple]):
 
     def _meta_row(self, record) -> tuple[int, int, int, float]:
         """(tokens with image placeholders, images, patches, sum of squared patches), computed once."""
+        if type(record) is dict and "pixels" not in record and "image_patches" not in record:
+            ids = record.get("input_ids")          # a text record as Tokenize gives it (most rows): its length
+            if type(ids) is torch.Tensor and ids.dim() == 1:
+                return len(ids), 0, 0, 0.0
         patches = list(record.get("image_patches", ())) if isinstance(record, dict) else []
         return (sequence_length(record, self.image_token_id), len(patches), sum(patches),
                 float(sum(x * x for x in patches)))
