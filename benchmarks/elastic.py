@@ -103,11 +103,10 @@ def main(argv=None) -> int:
         return 0
 
     import memory
-    from torchdata_overlord.sim.corpus import default_corpus_root
 
     size = "quick" if args.quick else "full"
     cfg = dict(SIZES[size], sources=args.sources or SIZES[size]["sources"], repeat=args.repeat or SIZES[size]["repeat"])
-    root = args.root or default_corpus_root().parent / f"memory-corpus-{size}"
+    root = args.root or memory.corpus_root(size, cfg["row_group_kib"] / 1024)
     t_all, load_start = time.perf_counter(), round(os.getloadavg()[0], 2)
     corpus = memory.build_corpus(root, max(cfg["sources"]), cfg["row_group_kib"] / 1024, 2, 2)
     files = [[str(Path(corpus["root"], f)) for f in fs] for fs in corpus["files"]]

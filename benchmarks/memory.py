@@ -782,16 +782,22 @@ def _lib_name(s: int, d: int) -> str:
     return f"library S={s} D={d}"
 
 
-def sweep(size: str, mib: float, base_root: Path, interval: float, errors: dict) -> dict:
-    """Every measured run of one row-group size, and what is derived from them."""
+def corpus_root(size: str, mib: float, base_root: Path | None = None) -> Path:
+    """The corpus folder of one size and row-group size (``startup.py`` and ``elastic.py`` read the one
+    configured like theirs, 2 files x 2 row groups per source)."""
     from torchdata_overlord.sim.corpus import default_corpus_root
 
+    return (base_root or default_corpus_root().parent / f"memory-corpus-{size}") / f"rg-{mib:g}mib"
+
+
+def sweep(size: str, mib: float, base_root: Path, interval: float, errors: dict) -> dict:
+    """Every measured run of one row-group size, and what is derived from them."""
     plan = plan_for(size, mib)
     # no corpus for an S whose every run (one copy of its row groups at least) would be skipped anyway
     room_now = spare_mib()
     wanted = sorted(set(plan["sources"] + plan["library_sources"] + [s for s, _ in plan["library_extra"]]))
     n_max = max([s for s in wanted if expected_mib(mib, s, 1, 2) <= room_now] or wanted[:1])
-    root = (base_root or default_corpus_root().parent / f"memory-corpus-{size}") / f"rg-{mib:g}mib"
+    root = corpus_root(size, mib, base_root)
     print(f"\n=== row groups of {mib:g} MiB ===", flush=True)
     corpus = build_corpus(root, n_max, mib, plan["files"], plan["row_groups"])
     files = [[str(Path(corpus["root"], f)) for f in fs] for fs in corpus["files"]]
