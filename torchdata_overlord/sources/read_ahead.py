@@ -49,7 +49,7 @@ class _Row:
     def __init__(self, index, row, where, at: tuple, error: BaseException | None = None):
         self.index, self.row, self.where, self.at, self.error = index, row, where, at, error
         self.state, self.sample, self.failure = _PENDING, None, None
-        self.done = threading.Event()
+        self.done = False           # transformed (set under the ReadAhead's condition, which is then notified)
 
 
 class ReadAhead:
@@ -120,12 +120,12 @@ class ReadAhead:
         with self._cv:
             mine = row.state == _PENDING
             row.state = _TAKEN
-            self.counts["claimed" if mine else "ready" if row.done.is_set() else "waited"] += 1
+            self.counts["claimed" if mine else "ready" if row.done else "waited"] += 1
+            while not mine and not row.done:
+                self._cv.wait(_IDLE_WAIT)
+                mine = not row.done and not self._thread.is_alive()   # (it ended mid-transform: shutdown)
         if mine:
             return self.inner.apply(row.row, where)
-        while not row.done.wait(_IDLE_WAIT):
-            if not self._thread.is_alive() and not row.done.is_set():   # (it ended mid-transform: shutdown)
-                return self.inner.apply(row.row, where)
         if row.failure is not None:
             raise row.failure
         return row.sample
@@ -166,16 +166,16 @@ class ReadAhead:
                 r.sample = self.inner.apply(r.row, r.where)
             except BaseException as e:             # noqa: BLE001 - raised where the row is consumed
                 r.failure = e
-            r.done.set()
             with self._cv:
-                self._cv.notify_all()              # (wait_ready)
+                r.done = True
+                self._cv.notify_all()              # (apply and wait_ready)
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until every row read ahead is transformed; False if ``timeout`` s passed first. For tests
         and benchmarks."""
         with self._cv:
             return self._cv.wait_for(
-                lambda: self._stopped or all(r.error is not None or r.done.is_set() for r in self._rows), timeout)
+                lambda: self._stopped or all(r.error is not None or r.done for r in self._rows), timeout)
 
     # -- position and life -----------------------------------------------------------------------
     def load_state_dict(self, state: dict) -> None:
@@ -191,7 +191,7 @@ class ReadAhead:
         from ..roles.source_loader import record_bytes
 
         with self._cv:
-            done = [r.sample for r in self._rows if r.done.is_set() and r.failure is None]
+            done = [r.sample for r in self._rows if r.done and r.failure is None]
         return self.inner.buffer_bytes + sum(map(record_bytes, done))
 
     def close(self) -> None:
