@@ -104,7 +104,8 @@ class _Arena:
             raise
         self.token = os.urandom(8).hex()
         self.mm[:_HEAD] = (_MAGIC + self.token.encode()).ljust(_HEAD, b"\0")
-        self.states = np.frombuffer(self.mm, np.int64)      # an allocation's header word, by offset // 8
+        # an allocation's header word, by offset // 8 (a memoryview: its items read as ints, numpy's cost more)
+        self.words = memoryview(self.mm).cast("q")
         self.live: list[tuple[int, int]] = []               # (start, end) of every region not yet freed, sorted
         self.lock = threading.Lock()
         self.pid = os.getpid()
@@ -114,8 +115,8 @@ class _Arena:
         if need > (self.size - _HEAD) // 4:
             return None
         with self.lock:
-            states = self.states
-            self.live = [r for r in self.live if states[r[0] // 8] != _FREE]
+            words = self.words
+            self.live = [r for r in self.live if words[r[0] >> 3] != _FREE]
             start = _HEAD
             for i, (s, e) in enumerate(self.live):
                 if s - start >= need:
@@ -126,12 +127,12 @@ class _Arena:
                 if self.size - start < need:
                     return None
             self.live.insert(i, (start, start + need))
-            states[start // 8] = _LIVE
+            words[start >> 3] = _LIVE
         view = np.frombuffer(self.mm, np.uint8, count=nbytes, offset=start + _HEAD)
         return start, view
 
     def free(self, start: int) -> None:
-        self.states[start // 8] = _FREE
+        self.words[start >> 3] = _FREE
 
     def close(self) -> None:
         """Forget the arena here (receivers keep their own mappings; the memory goes with the last one)."""
