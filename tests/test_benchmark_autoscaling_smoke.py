@@ -30,8 +30,8 @@ def test_autoscaling_quick_measures_every_configuration(tmp_path):
         assert all(len(a) == steps for a in r["actors"].values())
         assert r["parts_sampled"][-1]["parts"] == {s: a[-1] for s, a in r["actors"].items()}
         placed = data["placements"]["worst" if name == "static_worst" else "start"]["processes"]
-        if name == "autoscale":     # a reshard may leave a role process without actors (the benchmark's observations
-            assert 1 <= r["processes"] <= placed    # say so); which one depends on timings taken under this load
+        if name == "autoscale":     # a reshard may leave a role process without actors (the benchmark's
+            assert 1 <= r["processes"] <= placed    # observations say so): whether one does depends on timings
         else:
             assert r["processes"] == placed
     static = [data["results"][n][0] for n in ("static_start", "static_worst")]

@@ -4,7 +4,7 @@ before the server forks any worker.
 
 Without it, the first full collection in each worker walks those objects and writes their GC
 headers, so every page holding one is copied into the worker: each role process paid for its own
-copy of the preloaded modules (about 75 MiB of PSS each with torchvision preloaded, measured by
+copy of the preloaded modules (about 70 MiB of PSS each with torchvision preloaded, measured by
 ``benchmarks/fault_recovery.py``'s shadow-cost run), instead of sharing the fork server's. This is
 the fork-without-exec recipe of ``gc.freeze``'s documentation. Imported anywhere else, it does nothing.
 """
