@@ -2,6 +2,7 @@
 OverlordLoader) and writes a complete JSON."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,11 +47,14 @@ def test_e2e_throughput_quick_writes_both_sides_and_the_overhead(tmp_path):
     assert "overhead" in proc.stdout and "samples/s" in proc.stdout
 
 
-def test_python_m_benchmarks_runs_the_chosen_scripts_and_reports_failures():
+def test_python_m_benchmarks_runs_the_chosen_scripts_and_reports_failures(tmp_path):
+    # --quick writes its results to a new temporary folder, which it names: here, one under tmp_path
     ok = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "plan_speed"], capture_output=True,
-                        text=True, timeout=300, cwd=ROOT)
+                        text=True, timeout=300, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
     assert "=== plan_speed: ok" in ok.stdout and "1/1 benchmarks ran" in ok.stdout
+    out = Path(ok.stdout.rsplit("results in ", 1)[1].strip())
+    assert out.parent == tmp_path and (out / "plan_speed.json").is_file()
     bad = subprocess.run([sys.executable, "-m", "benchmarks", "--only", "nonexistent"], capture_output=True, text=True,
                          timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
