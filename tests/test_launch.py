@@ -5,10 +5,12 @@ starts; Ctrl-C of the launcher and a dying trainer end the job without leaving a
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,9 +89,10 @@ def write_config(tmp_path, corpus, constructors=None, mesh=None, web=None) -> Pa
     return path
 
 
-def launcher(config, port, *extra, node_rank=0, nodes=1):
+def launcher(config, port, *extra, node_rank=0, nodes=1, tmpdir=None):
+    env = env_for(port) if tmpdir is None else dict(env_for(port), TMPDIR=str(tmpdir))
     return subprocess.Popen([sys.executable, "-m", "torchdata_overlord.launch", "--config", str(config), "--nodes",
-                             str(nodes), "--node-rank", str(node_rank), *extra], env=env_for(port), cwd=str(ROOT),
+                             str(nodes), "--node-rank", str(node_rank), *extra], env=env, cwd=str(ROOT),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -179,11 +182,18 @@ def test_two_data_nodes_and_two_trainers_equal_the_local_runtime(corpus, tmp_pat
     process prints a warning for its peers' pipes closing (TensorPipe's EOF lines)."""
     port, steps = free_port(), 3
     config = write_config(tmp_path, corpus)
-    nodes = [launcher(config, port, "--interface", "lo", "--workers-per-node", "2", nodes=2, node_rank=r)
-             for r in (0, 1)]
-    trainers = [trainer(tmp_path, corpus, port, r, steps, pause=6.0 * r) for r in (0, 1)]
-    results = finish([p for p, _ in trainers] + nodes, 180)
-    assert all(rc == 0 for rc, _ in results), [err[-3000:] for _, err in results]
+    # the launchers' temporary folder (short: the fork server's socket path must fit AF_UNIX): multiprocessing's
+    # folder in it is removed although the launcher leaves by os._exit
+    tmp = Path(tempfile.mkdtemp(prefix="ol-launch-"))
+    try:
+        nodes = [launcher(config, port, "--interface", "lo", "--workers-per-node", "2", nodes=2, node_rank=r,
+                          tmpdir=tmp) for r in (0, 1)]
+        trainers = [trainer(tmp_path, corpus, port, r, steps, pause=6.0 * r) for r in (0, 1)]
+        results = finish([p for p, _ in trainers] + nodes, 180)
+        assert all(rc == 0 for rc, _ in results), [err[-3000:] for _, err in results]
+        assert not list(tmp.glob("pymp-*")), list(tmp.iterdir())    # multiprocessing's (torch keeps caches there)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     noise = [line for _, err in results for line in err.splitlines() if "tensorpipe" in line.lower()]
     assert noise == [], noise
 

@@ -39,6 +39,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -372,6 +373,16 @@ def main(argv=None) -> int:
         launcher.close()
 
 
+def _remove_mp_tempdir() -> None:
+    """multiprocessing's temporary folder of this process (the fork server's socket is in it): its exit
+    handler removes it, and ``os._exit`` skips that handler (each launch left a ``/tmp/pymp-*`` behind)."""
+    from multiprocessing import process
+
+    folder = process.current_process()._config.get("tempdir")
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 if __name__ == "__main__":
     try:
         code = main()
@@ -380,6 +391,7 @@ if __name__ == "__main__":
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
+    _remove_mp_tempdir()
     # at once: an RPC start-up that gave up may still wait inside torch in a thread, and tearing the
     # interpreter down under it aborts the process natively ("terminate called...", exit 134)
     os._exit(code)
