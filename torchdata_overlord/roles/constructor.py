@@ -297,12 +297,10 @@ class DataConstructor:
 
     def _segment(self, plan: Plan, bucket: int, m: int, item: PlanItem, samples) -> _Segment:
         """What microbatch ``m`` places of ``item``'s staged record: its tokens, images and CP span."""
-        key = SampleKey(item.source, item.index)
-        record = samples.get(key)
-        if record is None:
-            record = self._sample(samples, key, plan.step, bucket, m)
+        key = item.key
+        record = self._sample(samples, key, plan.step, bucket, m)
         ids = _text_ids(record)
-        if item.tokens == len(ids) and item.npieces == 1 and item.nshards == 1 and record.get("pixels") is None:
+        if item.tokens == len(ids) and item.npieces == item.nshards == 1 and record.get("pixels") is None:
             return _Segment(item, key, ids)     # a whole text sample (most of them): its ids as they are
         imgs = record_images(record)
         n = _placeholders(imgs, self.image_token_id)
