@@ -211,8 +211,10 @@ class SourceLoader(BaseNode[tuple]):
 
     def _meta_row(self, record) -> tuple[int, int, int, float]:
         """(tokens with image placeholders, images, patches, sum of squared patches), computed once."""
+        # a text record as Tokenize gives it (most rows): sequence_length's answer is its ids' length, read here
+        # without the image walk and _text_ids' numpy view (1.1 vs 4.0 us a row)
         if type(record) is dict and "pixels" not in record and "image_patches" not in record:
-            ids = record.get("input_ids")          # a text record as Tokenize gives it (most rows): its length
+            ids = record.get("input_ids")
             if type(ids) is torch.Tensor and ids.dim() == 1:
                 return len(ids), 0, 0, 0.0
         patches = list(record.get("image_patches", ())) if isinstance(record, dict) else []
