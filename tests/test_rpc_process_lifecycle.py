@@ -10,6 +10,7 @@ actors would show it.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -198,3 +199,53 @@ def test_trainer_ranks_open_several_rpc_loaders_over_one_group(corpus, tmp_path)
         for name in ("train", "eval", "again"):
             for k, item in enumerate(got[name]):
                 assert_identical(item, expected[k][r])
+
+
+LONG_TMPDIR_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+from multiprocessing import process
+from test_rpc_process_lifecycle import make_loader
+from torchdata_overlord.runtime import rpc_session
+from torchdata_overlord.sim.corpus import build_demo_corpus
+
+if __name__ == "__main__":
+    if sys.argv[1] == "nowhere":
+        rpc_session._SHORT_TEMP = ()                 # no short system folder to fall back on
+    corpus = build_demo_corpus({root!r}, scale="test", seed=0)
+    try:
+        with make_loader(corpus, "train", "rpc", n_workers=1) as loader:
+            items = [x for _, x in zip(range(2), loader)]
+    except Exception as e:
+        print(json.dumps({{"error": type(e).__name__, "message": str(e)}}))
+    else:
+        torch.save(items, {out!r})
+        print(json.dumps({{"folder": process.current_process()._config.get("tempdir")}}))
+"""
+
+
+@pytest.mark.slow
+def test_rpc_runtime_starts_under_a_tmpdir_too_long_for_a_unix_socket(corpus, tmp_path):
+    """A scheduler's per-job TMPDIR can be longer than a Unix socket's path allows (107 bytes); the fork
+    server's socket then goes under a short system folder, which is gone after the process exits.
+    Where there is none, the error names TMPDIR and what to do."""
+    long_dir = tmp_path / ("t" * max(1, 100 - len(str(tmp_path))))
+    long_dir.mkdir()
+    assert len(str(long_dir)) >= 100
+    out = tmp_path / "items.pt"
+    script = LONG_TMPDIR_SCRIPT.format(tests=str(TESTS), root=str(corpus.root), out=str(out))
+    env = dict(os.environ, TMPDIR=str(long_dir),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    runs = {}
+    for case in ("fallback", "nowhere"):
+        proc = subprocess.run([sys.executable, "-c", script, case], capture_output=True, text=True, timeout=300,
+                              cwd=str(ROOT), env=env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[case] = json.loads(proc.stdout.strip().splitlines()[-1])
+    folder = runs["fallback"]["folder"]
+    assert folder is not None and len(folder) < 40 and not folder.startswith(str(tmp_path)), folder
+    assert not os.path.exists(folder)                   # removed at exit, as multiprocessing's own folder is
+    assert_identical(torch.load(out, weights_only=False), local_stream(corpus, "train", 2))
+    assert runs["nowhere"]["error"] == "ConfigError"
+    assert "set TMPDIR to a shorter folder" in runs["nowhere"]["message"]
+    assert str(long_dir) in runs["nowhere"]["message"]

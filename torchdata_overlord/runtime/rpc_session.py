@@ -51,14 +51,52 @@ _LOCK = threading.Lock()                      # held while a session starts, joi
 _CURRENT: "RpcSession | None" = None
 
 
+_SUN_PATH_MAX = 107             # bytes of a Unix socket's path on Linux (its sun_path, 108 with the NUL)
+_MP_NAMES = len("/pymp-xxxxxxxx/listener-xxxxxxxx")     # what multiprocessing adds to the temporary folder
+_SHORT_TEMP = ("/tmp", "/var/tmp", "/usr/tmp")
+
+
+def _socket_safe_tempdir() -> None:
+    """Have multiprocessing keep its temporary folder, where the fork server's Unix socket lies, under a
+    short system folder when ``TMPDIR`` is too long for that socket's path (a scheduler's per-job
+    ``TMPDIR`` often is: the bind failed with ``OSError: AF_UNIX path too long``). Python 3.13's
+    multiprocessing does the same; 3.11 and 3.12 do not. The folder is removed at exit, as
+    multiprocessing's own is."""
+    from multiprocessing import process, util
+
+    config = process.current_process()._config
+    if config.get("tempdir") is not None or len(os.fsencode(tempfile.gettempdir())) + _MP_NAMES <= _SUN_PATH_MAX:
+        return
+    base = next((d for d in _SHORT_TEMP if os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK)), None)
+    if base is None:
+        return                          # nowhere else to go: the bind below says why it fails
+    folder = tempfile.mkdtemp(prefix="pymp-", dir=base)
+    util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
+    config["tempdir"] = folder
+
+
+def _ensure_fork_server() -> None:
+    """Start the fork server if it is not running (its socket in a folder short enough, see above)."""
+    from multiprocessing import forkserver, process
+    _socket_safe_tempdir()
+    try:
+        forkserver.ensure_running()
+    except OSError as e:
+        if "too long" not in str(e):
+            raise
+        folder = process.current_process()._config.get("tempdir", tempfile.gettempdir())
+        raise ConfigError(f"the rpc runtime's fork server cannot listen in {folder!r}: a Unix socket's path has at "
+                          f"most {_SUN_PATH_MAX} bytes and multiprocessing adds {_MP_NAMES} to its temporary folder "
+                          f"({e}); set TMPDIR to a shorter folder (e.g. /tmp)") from e
+
+
 def prestart_fork_server() -> None:
     """Start the fork server now (it returns at once; the server imports :data:`PRELOAD`, mostly torch,
     seconds on a small machine, in its own process), so that import overlaps what this process does
     before it spawns the workers: profiling the sources, placing the roles."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD + _ALSO + [_FREEZE])
-    from multiprocessing import forkserver
-    forkserver.ensure_running()
+    _ensure_fork_server()
 
 
 def spawn_workers(members: list[tuple[str, int]], rendezvous: dict, rpc_timeout: float,
@@ -68,6 +106,7 @@ def spawn_workers(members: list[tuple[str, int]], rendezvous: dict, rpc_timeout:
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(PRELOAD + _ALSO + [_FREEZE])
+        _ensure_fork_server()
     procs, conns = [], []
     for name, rank in members:
         r, w = ctx.Pipe(duplex=False)
