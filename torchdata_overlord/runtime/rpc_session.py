@@ -59,9 +59,9 @@ _SHORT_TEMP = ("/tmp", "/var/tmp", "/usr/tmp")
 def _socket_safe_tempdir() -> None:
     """Have multiprocessing keep its temporary folder, where the fork server's Unix socket lies, under a
     short system folder when ``TMPDIR`` is too long for that socket's path (a scheduler's per-job
-    ``TMPDIR`` often is: the bind failed with ``OSError: AF_UNIX path too long``). Python 3.13's
-    multiprocessing does the same; 3.11 and 3.12 do not. The folder is removed at exit, as
-    multiprocessing's own is."""
+    ``TMPDIR`` often is: the bind failed with ``OSError: AF_UNIX path too long``). multiprocessing
+    does the same since CPython gh-132124 (3.13 and later releases); 3.11 and 3.12 do not. The folder is
+    removed at exit, as multiprocessing's own is."""
     from multiprocessing import process, util
 
     config = process.current_process()._config
