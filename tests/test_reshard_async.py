@@ -178,3 +178,31 @@ def test_a_state_loaded_while_a_reshard_is_pending_aborts_it(corpus, placement, 
         job.close()
     for actor in closed:
         assert actor.loader._pool is None
+
+
+def _recovery(placement: dict, active: dict, constructors: list, spares=(), home=None):
+    """What ``reshard._hosts`` reads of the Planner's recovery: where actors live, who serves."""
+    from types import SimpleNamespace
+    return SimpleNamespace(peers=SimpleNamespace(placement=placement), policy=SimpleNamespace(spares=list(spares)),
+                           active=active, constructor_names=constructors, home=home)
+
+
+def test_new_actors_go_first_to_a_process_that_no_longer_hosts_anyone():
+    """stop 33's autoscale run: text 2 -> 1 after image 1 -> 2 left a role process with no actor, since
+    the hosts were chosen by loader count and the Planner's process (constructors, no loader) counted as
+    empty. Every serving actor counts now: an emptied process is filled first, spares never."""
+    from torchdata_overlord.runtime.reshard import _hosts
+    placement = {"planner": "w0", "constructor:0": "w0", "constructor:1": "w0", "loader:text#0": "w1",
+                 "loader:text#1": "w2", "loader:image": "w3", "loader:image#0": "w3", "spare-actor": "w4"}
+    r = _recovery(placement, {"text#0": "loader:text#0", "text#1": "loader:text#1", "image": "loader:image"},
+                  ["constructor:0", "constructor:1"], spares=["w4"])
+    # image 1 -> 2 (its old actor retiring): the processes with one loader and the empty one, never w0 or w4
+    assert _hosts(r, 2, ["image"], []) == ["w3", "w1"]
+    # then text 2 -> 1 while that reshard is pending (its new actors busy w3 and w1): w2 keeps a loader
+    r.active = {"text#0": "loader:text#0", "text#1": "loader:text#1", "image#0": "loader:image#0"}
+    assert _hosts(r, 1, ["text#0", "text#1", "image#0"], ["w3", "w1"]) == ["w2"]
+    # a replacement Planner on a spare counts where it is (the spare, which is never chosen)
+    r.home = "w4"
+    assert _hosts(r, 3, list(r.active), []) == ["w1", "w2", "w3"]
+    # one process: nowhere to choose
+    assert _hosts(_recovery({}, {}, []), 2, [], []) == [None, None]

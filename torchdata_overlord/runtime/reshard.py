@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from ..roles.loader_parts import merge_states, part_keys
 from .loader_actor import LoaderActor
-from .refs import LoaderRef, loader_actor
+from .refs import PLANNER, LoaderRef, loader_actor
 
 __all__ = ["Resharding", "Pending"]
 
@@ -50,15 +50,17 @@ class Aborted(RuntimeError):
 
 
 def _hosts(r, count: int, retiring: list[str], busy: list) -> list:
-    """A role process for each of ``count`` new actors: the job's processes hosting the fewest loaders
-    (not counting the ``retiring`` ones; counting ``busy``: other pending reshards' hosts) first;
-    spares are kept for replacements. None where actors are not placed (one process)."""
+    """A role process for each of ``count`` new actors: the job's processes hosting the fewest serving
+    actors first (loaders but the ``retiring`` ones, the constructors and the Planner; ``busy``: other
+    pending reshards' hosts), so a process whose loaders all retired is filled before the Planner's
+    gets one more; spares are kept for replacements. None where actors are not placed (one process)."""
     placement = getattr(r.peers, "placement", None)
     if not placement:
         return [None] * count
     spares = set(r.policy.spares)
     load = {w: 0 for w in sorted(set(placement.values()) - spares)}
-    for w in [placement.get(name) for key, name in r.active.items() if key not in retiring] + list(busy):
+    serving = [name for key, name in r.active.items() if key not in retiring] + list(r.constructor_names)
+    for w in [placement.get(name) for name in serving] + [r.home or placement.get(PLANNER)] + list(busy):
         if w in load:
             load[w] += 1
     out = []
