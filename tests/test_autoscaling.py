@@ -138,3 +138,16 @@ def test_a_bound_scaler_pickles_with_its_placement(placement):
     shares = {"web": 0.2, "caps": 0.8}
     assert again._partition(shares) == bound._partition(shares)
     assert pickle.loads(pickle.dumps(AutoScaler().bind(None))).active is False
+
+
+def test_the_scaler_estimates_the_cores_of_its_last_partition(placement):
+    """What a reshard places new actors by (``reshard._hosts``): the bound placement's estimates until a
+    partition runs, then that partition's; a source's cores are its actors' together."""
+    scaler = AutoScaler(interval=1, window=1, patience=1).bind(placement)
+    before = scaler.cores()
+    assert before["planner"] == placement.budget["planner_cores"] > 0
+    assert before["constructor"] == placement.budget["constructor_cores"] > 0
+    assert before["sources"] == {n: sp.cpu * sp.actors for n, sp in placement.sources.items()}
+    scaler.observe(0, {"web": 1, "caps": 9}, {n: sp.actors for n, sp in placement.sources.items()})
+    after = scaler.cores()["sources"]
+    assert after["caps"] > before["sources"]["caps"] and after["web"] < before["sources"]["web"]

@@ -180,6 +180,7 @@ def test_a_state_loaded_while_a_reshard_is_pending_aborts_it(corpus, placement, 
         assert actor.loader._pool is None
 
 
+
 def _recovery(placement: dict, active: dict, constructors: list, spares=(), home=None):
     """What ``reshard._hosts`` reads of the Planner's recovery: where actors live, who serves."""
     from types import SimpleNamespace
@@ -187,22 +188,32 @@ def _recovery(placement: dict, active: dict, constructors: list, spares=(), home
                            active=active, constructor_names=constructors, home=home)
 
 
-def test_new_actors_go_first_to_a_process_that_no_longer_hosts_anyone():
-    """stop 33's autoscale run: text 2 -> 1 after image 1 -> 2 left a role process with no actor, since
-    the hosts were chosen by loader count and the Planner's process (constructors, no loader) counted as
-    empty. Every serving actor counts now: an emptied process is filled first, spares never."""
+def test_new_actors_go_to_the_role_processes_with_the_least_estimated_load():
+    """A reshard's new actors go where the serving actors' estimated cores (the scaler's last partition)
+    are fewest, then to the process with the fewest actors: not by loader count, which took the Planner's
+    process for empty and a process of two light loaders for busier than one of a heavy one."""
+    from torchdata_overlord.roles.loader_parts import Parts
     from torchdata_overlord.runtime.reshard import _hosts
-    placement = {"planner": "w0", "constructor:0": "w0", "constructor:1": "w0", "loader:text#0": "w1",
-                 "loader:text#1": "w2", "loader:image": "w3", "loader:image#0": "w3", "spare-actor": "w4"}
-    r = _recovery(placement, {"text#0": "loader:text#0", "text#1": "loader:text#1", "image": "loader:image"},
-                  ["constructor:0", "constructor:1"], spares=["w4"])
-    # image 1 -> 2 (its old actor retiring): the processes with one loader and the empty one, never w0 or w4
-    assert _hosts(r, 2, ["image"], []) == ["w3", "w1"]
-    # then text 2 -> 1 while that reshard is pending (its new actors busy w3 and w1): w2 keeps a loader
-    r.active = {"text#0": "loader:text#0", "text#1": "loader:text#1", "image#0": "loader:image#0"}
-    assert _hosts(r, 1, ["text#0", "text#1", "image#0"], ["w3", "w1"]) == ["w2"]
+    placement = {"planner": "w0", "constructor:0": "w0", "constructor:1": "w0", "loader:text@0of2": "w1",
+                 "loader:text@1of2": "w1", "loader:image": "w2", "loader:code": "w3", "spare-actor": "w4"}
+    parts = Parts(["text", "image", "code"], {"text": 2})
+    active = {key: f"loader:{key}" for key in parts.keys}
+    assert set(active.values()) <= set(placement)
+    r = _recovery(placement, active, ["constructor:0", "constructor:1"], spares=["w4"])
+    cores = {"planner": 0.25, "constructor": 0.05, "sources": {"text": 0.2, "image": 1.0, "code": 0.3}}
+    # load: w0 0.35 (3 actors), w1 0.2 (2 light loaders), w2 1.0, w3 0.3; two new code actors of 0.6 each
+    # (its own actor retiring): w3 is left empty, so it and then w1 take them; never w4, the spare
+    assert _hosts(r, parts, 2, 0.6, ["code"], [], cores) == ["w3", "w1"]
+    # another reshard pending (its new actors counted where they will serve): w0 is the least loaded
+    assert _hosts(r, parts, 1, 1.0, ["image"], [("w3", 0.6), ("w1", 0.6)], cores) == ["w2"]
+    assert _hosts(r, parts, 1, 1.0, ["image"], [("w3", 0.6), ("w1", 0.6), ("w2", 0.6)], cores) == ["w0"]
+    # equal loads: the process with fewer actors, then the first by name
+    flat = {"planner": 0.0, "constructor": 0.0, "sources": {"text": 0.0, "image": 0.0, "code": 0.0}}
+    assert _hosts(r, parts, 4, 0.0, [], [], flat) == ["w2", "w3", "w1", "w2"]
     # a replacement Planner on a spare counts where it is (the spare, which is never chosen)
+    busy = [("w2", 1.0), ("w3", 1.0)]
+    assert _hosts(r, parts, 1, 1.0, ["image", "code"], busy, cores) == ["w1"]     # w0: 0.35, w1: 0.2
     r.home = "w4"
-    assert _hosts(r, 3, list(r.active), []) == ["w1", "w2", "w3"]
+    assert _hosts(r, parts, 1, 1.0, ["image", "code"], busy, cores) == ["w0"]     # w0: 0.1
     # one process: nowhere to choose
-    assert _hosts(_recovery({}, {}, []), 2, [], []) == [None, None]
+    assert _hosts(_recovery({}, {}, []), parts, 2, 1.0, [], [], cores) == [None, None]

@@ -49,26 +49,43 @@ class Aborted(RuntimeError):
     """A pending reshard was given up before its actors all started."""
 
 
-def _hosts(r, count: int, retiring: list[str], busy: list) -> list:
-    """A role process for each of ``count`` new actors: the job's processes hosting the fewest serving
-    actors first (loaders but the ``retiring`` ones, the constructors and the Planner; ``busy``: other
-    pending reshards' hosts), so a process whose loaders all retired is filled before the Planner's
-    gets one more; spares are kept for replacements. None where actors are not placed (one process)."""
+def _hosts(r, parts, count: int, each: float, retiring: list[str], busy: list[tuple], cores: dict) -> list:
+    """A role process for each of ``count`` new actors of ``each`` estimated cores: the process whose
+    serving actors have the least estimated load first, then the one with the fewest of them. Serving:
+    the loaders but the ``retiring`` ones (a source's cores shared by its ``parts``), the constructors,
+    the Planner, and ``busy`` ((process, cores) of other pending reshards' new actors); ``cores``:
+    :meth:`~torchdata_overlord.scaling.AutoScaler.cores`. Spares are kept for replacements. None where
+    actors are not placed (one process)."""
     placement = getattr(r.peers, "placement", None)
     if not placement:
         return [None] * count
     spares = set(r.policy.spares)
-    load = {w: 0 for w in sorted(set(placement.values()) - spares)}
-    serving = [name for key, name in r.active.items() if key not in retiring] + list(r.constructor_names)
-    for w in [placement.get(name) for name in serving] + [r.home or placement.get(PLANNER)] + list(busy):
+    load = {w: [0.0, 0] for w in sorted(set(placement.values()) - spares)}
+    per_loader = {s: cores["sources"].get(s, 0.0) / n for s, n in parts.counts.items()}
+    serving = [(placement.get(name), per_loader[parts.source_of(key)]) for key, name in r.active.items()
+               if key not in retiring]
+    serving += [(placement.get(name), cores["constructor"]) for name in r.constructor_names]
+    serving += [(r.home or placement.get(PLANNER), cores["planner"]), *busy]
+    for w, c in serving:
         if w in load:
-            load[w] += 1
+            load[w][0] += c
+            load[w][1] += 1
     out = []
     for _ in range(count):
-        w = min(load, key=lambda w: (load[w], w))
-        load[w] += 1
+        w = min(load, key=lambda w: (*load[w], w))
+        load[w][0] += each
+        load[w][1] += 1
         out.append(w)
     return out
+
+
+def _cores(job) -> dict:
+    """The estimates :func:`_hosts` weighs by: the job's scaler's, else a core per loader actor (no scaler
+    has run a partition)."""
+    scaler = getattr(job, "autoscaler", None)
+    if scaler is not None and scaler.active:
+        return scaler.cores()
+    return {"planner": 0.0, "constructor": 0.0, "sources": {s: float(n) for s, n in job.parts.counts.items()}}
 
 
 @dataclass(eq=False)
@@ -145,8 +162,10 @@ class Resharding:
         keys = part_keys(source, actors)
         # the other pending reshards' actors count where they will serve, not where they serve now
         retiring = old + [key for s in self.pending for key in job.parts.by_source[s]]
-        busy = [h for p in self.pending.values() for h in p.hosts.values()]
-        hosts = dict(zip(keys, _hosts(r, actors, retiring, busy)))
+        cores = _cores(job)
+        busy = [(h, cores["sources"].get(p.source, 0.0) / p.k) for p in self.pending.values() for h in p.hosts.values()]
+        each = cores["sources"].get(source, 0.0) / actors
+        hosts = dict(zip(keys, _hosts(r, job.parts, actors, each, retiring, busy, cores)))
         names = {key: r.new_name(loader_actor(key)) for key in keys}
         a = r.policy.loader_args[source]
         args = {key: (a[0], a[1], workers, *a[3:], r.peers, (j, actors)) for j, key in enumerate(keys)}

@@ -40,6 +40,7 @@ class AutoScaler:
     history: collections.deque = field(default_factory=collections.deque, repr=False)
     pending: dict = field(default_factory=dict, repr=False)        # source -> (wanted actors, intervals seen)
     decisions: list = field(default_factory=list, repr=False)      # (step, source, from, to, share)
+    latest: Placement | None = field(default=None, repr=False)     # the last partition run
 
     def __post_init__(self) -> None:
         for name in ("interval", "window", "patience"):
@@ -97,7 +98,15 @@ class AutoScaler:
                                buffer_size=b.get("buffer_size"), w_src=b.get("w_src", 8), w_actor=b.get("w_actor", 4),
                                cluster_size=b.get("cluster_size", 4), max_processes=b.get("max_processes"),
                                thread_cores=b.get("thread_cores"))
+        self.latest = again
         return {n: (sp.actors, sp.workers) for n, sp in again.sources.items()}
+
+    def cores(self) -> dict:
+        """Estimated cores by the last partition (the bound placement's before one ran): the Planner's, one
+        constructor's and each source's loaders together; a reshard places new actors by them."""
+        p = self.latest or self.placement
+        return {"planner": p.budget.get("planner_cores", 0.0), "constructor": p.budget.get("constructor_cores", 0.0),
+                "sources": {n: sp.cpu * sp.actors for n, sp in p.sources.items()}}
 
     def stats(self) -> dict:
         return {"active": self.active, "interval": self.interval, "window": self.window, "patience": self.patience,
