@@ -79,15 +79,6 @@ def _hosts(r, parts, count: int, each: float, retiring: list[str], busy: list[tu
     return out
 
 
-def _cores(job) -> dict:
-    """The estimates :func:`_hosts` weighs by: the job's scaler's, else a core per loader actor (no scaler
-    has run a partition)."""
-    scaler = getattr(job, "autoscaler", None)
-    if scaler is not None and scaler.active:
-        return scaler.cores()
-    return {"planner": 0.0, "constructor": 0.0, "sources": {s: float(n) for s, n in job.parts.counts.items()}}
-
-
 @dataclass(eq=False)
 class Pending:
     """One source's reshard in progress: its new actors and how far they are."""
@@ -162,7 +153,7 @@ class Resharding:
         keys = part_keys(source, actors)
         # the other pending reshards' actors count where they will serve, not where they serve now
         retiring = old + [key for s in self.pending for key in job.parts.by_source[s]]
-        cores = _cores(job)
+        cores = job.autoscaler.cores()          # only an active scaler's decisions start reshards
         busy = [(h, cores["sources"].get(p.source, 0.0) / p.k) for p in self.pending.values() for h in p.hosts.values()]
         each = cores["sources"].get(source, 0.0) / actors
         hosts = dict(zip(keys, _hosts(r, job.parts, actors, each, retiring, busy, cores)))
