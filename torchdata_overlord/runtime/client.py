@@ -185,6 +185,7 @@ class Job(ClientRecovery):
 
         def finish():
             answers = [p.result(0) for p in parts]
+            parts.clear()   # each part's callback (this closure) held the list of parts: a cycle the GC had to free
             outputs, plan = {}, None
             for a in answers:
                 outputs.update(a["outputs"])
@@ -207,6 +208,7 @@ class Job(ClientRecovery):
                     failed.append(p.exception())
                 done = not remaining[0] and not failed
             if first_failure:
+                parts.clear()
                 self._failed(req, attempt, gen, failed[0])
             elif done:
                 finish()
