@@ -106,6 +106,24 @@ def test_resume_at_any_midpoint_equals_the_uninterrupted_tail(data, transform):
         assert fresh.reads <= 3 * ROW_GROUPS
 
 
+def test_a_position_kept_while_reading_gives_the_state_of_that_moment(data):
+    # what a Source Loader keeps per buffered row: position() then, state_at() when it checkpoints
+    src = ParquetSource("s", data, Double(), seed=4)              # endless: 60 reads of 0-7 rows cross epochs
+    rng = random.Random(1)
+    kept = []
+    for _ in range(60):
+        kept.append((src.position(), json.dumps(src.state_dict())))
+        take(src, rng.randint(0, 7))
+    for pos, state in kept:
+        assert json.dumps(src.state_at(pos)) == state
+        fresh = ParquetSource("s", data, Double(), seed=4)
+        fresh.load_state_dict(src.state_at(pos))
+        assert fresh.position() == pos
+    a, b = src.state_at(kept[0][0]), src.state_at(kept[0][0])
+    a["fingerprint"]["files"].clear()
+    assert b["fingerprint"]["files"] and src.state_dict()["fingerprint"]["files"]   # every state is a fresh copy
+
+
 def test_restore_decodes_only_the_row_group_it_lands_in(data):
     src = ParquetSource("s", data, seed=0)
     take(src, N + 9)  # second epoch, a few row groups in

@@ -77,6 +77,10 @@ def record_bytes(record: Any) -> int:
     return (_SIZERS.get(type(record)) or _sizer(record))(record)
 
 
+def _as_is(state: dict) -> dict:
+    return state
+
+
 def _same_state(a: Any, b: Any) -> bool:
     """Equal states, lists and tuples alike (a state that travelled may have either)."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -107,11 +111,16 @@ class SourceLoader(BaseNode[tuple]):
         self.source, self.name = source, source.name
         self.buffer_size, self.workers, self.image_token_id = buffer_size, workers, image_token_id
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"overlord-{self.name}") if workers else None
-        # index -> (record, source state before reading it, read sequence number, slot of its metadata row in
+        # index -> (record, source position before reading it, read sequence number, slot of its metadata row in
         # self._meta, read-order key or -1), oldest first
         self._buffer: OrderedDict[int, tuple[Any, dict, int, int, int]] = OrderedDict()
         self._meta = MetaSlots(buffer_size)
         self.ordered = hasattr(source, "last_order") and hasattr(source, "owns")
+        # where the source stands, kept per buffered row: its position (a small tuple) where it has one
+        # (a state made from it only for a checkpoint), else its state
+        positions = hasattr(source, "position") and hasattr(source, "state_at")
+        self._here = source.position if positions else source.state_dict
+        self._state_at = source.state_at if positions else _as_is
         self._seq = 0
         self._ahead: set[int] = set()    # indices a catch-up will take: read, but not transformed
         self._initial = {self.SOURCE_STATE: source.state_dict(), self.TAKEN: [], self.EPOCH_LOG: [source.epoch]}
@@ -134,7 +143,7 @@ class SourceLoader(BaseNode[tuple]):
             if order < 0 or self.source.owns(order):       # a part keeps only its own units' takes
                 self._taken[i] = (None, order)
         self.epochs_started = list(state[self.EPOCH_LOG])
-        self._base_state = self.source.state_dict()
+        self._base = self._here()
         self._productive_at = self.source.rows_passed   # where the last read round buffered something
 
     def holds(self, state: dict) -> bool:
@@ -153,7 +162,7 @@ class SourceLoader(BaseNode[tuple]):
 
     def get_state(self) -> dict:
         taken = [[i, o] for i, (_, o) in sorted(self._taken.items())] if self.ordered else sorted(self._taken)
-        return {self.SOURCE_STATE: self._base_state, self.TAKEN: taken, self.EPOCH_LOG: list(self.epochs_started)}
+        return {self.SOURCE_STATE: self._state_at(self._base), self.TAKEN: taken, self.EPOCH_LOG: list(self.epochs_started)}
 
     # -- role API ------------------------------------------------------------------------------
     def fill(self) -> None:
@@ -171,7 +180,7 @@ class SourceLoader(BaseNode[tuple]):
         """Read ``want`` rows not taken yet, transform them (on the pool) and buffer what is not skipped."""
         raws = []
         while len(raws) < want:
-            before = self.source.state_dict()
+            before = self._here()
             try:
                 index, row, where = self.source.next_raw()
             except StopIteration:
@@ -207,7 +216,7 @@ class SourceLoader(BaseNode[tuple]):
             for (index, rec, before, seq, order), slot in zip(kept, slots):
                 self._buffer[index] = (rec, before, seq, slot, order)
         if not self._buffer:            # nothing buffered: the state moves past what was read
-            self._base_state, self._taken = self.source.state_dict(), {}
+            self._base, self._taken = self._here(), {}
 
     def _meta_row(self, record) -> tuple[int, int, int, float]:
         """(tokens with image placeholders, images, patches, sum of squared patches), computed once."""
@@ -247,10 +256,10 @@ class SourceLoader(BaseNode[tuple]):
         # the state moves forward to the oldest sample still buffered; takes read after it are remembered
         if self._buffer:
             _, before, oldest, _, _ = next(iter(self._buffer.values()))
-            self._base_state = before
+            self._base = before
             self._taken = {i: t for i, t in self._taken.items() if t[0] is None or t[0] > oldest}
         else:
-            self._base_state = self.source.state_dict()
+            self._base = self._here()
             self._taken = {}
         return out
 

@@ -37,6 +37,9 @@ class Source(Protocol):
     * ``check_progress(since)``: raise :class:`SourceReadError` if every row since ``rows_passed`` was
       ``since`` was skipped and skipping on could never yield a sample;
     * ``state_dict()`` / ``load_state_dict(state)``: the exact position, plain Python types only;
+    * optionally ``position()`` / ``state_at(position)``: the position as a small immutable value, and
+      the ``state_dict()`` it stands for. A Source Loader keeps where the source stood before every
+      buffered row; with these it keeps positions and makes a state only for a checkpoint;
     * ``spec_args() -> (data, transform, kwargs)``: how to build it again elsewhere
       (``type(source)(name, data, transform, **kwargs)``), all picklable;
     * ``skips`` (a :class:`~torchdata_overlord.sources.skip_log.SkipLog`), ``buffer_bytes`` (bytes

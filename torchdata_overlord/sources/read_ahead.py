@@ -12,8 +12,8 @@ them; the next refill finds them done.
 
 What the Source Loader sees does not change: ``next_raw`` gives the same rows in the same order,
 ``apply`` the same sample (transformed ahead, or now when the thread has not reached it yet), and
-``state_dict``, ``epoch``, ``rows_passed`` and ``last_order`` describe the rows *consumed*, not those
-read ahead: no checkpoint counts a row read ahead. What reading ahead met (a row group that does not
+``state_dict``, ``position``, ``epoch``, ``rows_passed`` and ``last_order`` describe the rows *consumed*,
+not those read ahead: no checkpoint counts a row read ahead. What reading ahead met (a row group that does not
 decode, a transform that raised, the end of the source) is raised where its row is consumed, as it
 would have been; a row skipped under ``on_error="skip"`` is counted in the source's ``skips`` when its
 transform ran, so up to ``n`` rows before it is consumed. ``load_state_dict`` drops the rows read
@@ -41,7 +41,7 @@ ENV = "OVERLORD_READ_AHEAD"      # the rpc runtime reads it (runtime/job_config.
 
 
 class _Row:
-    """A row read ahead, with the source's position before it was read (``at``: state, rows passed,
+    """A row read ahead, with the source's position before it was read (``at``: position, rows passed,
     epoch, last order) and, once transformed, its sample (or the exception the transform raised)."""
 
     __slots__ = ("index", "row", "where", "at", "error", "state", "sample", "failure", "done")
@@ -63,6 +63,8 @@ class ReadAhead:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._has_order = hasattr(source, "last_order")
+        self._positions = hasattr(source, "position") and hasattr(source, "state_at")
+        self._position = source.position if self._positions else source.state_dict
         # rows read ahead; of those consumed: transformed by then, transformed by the consumer, waited for
         self.counts = {"read": 0, "ready": 0, "claimed": 0, "waited": 0, "dropped": 0}
 
@@ -74,11 +76,19 @@ class ReadAhead:
     # -- where the consumed rows end -------------------------------------------------------------
     def _at(self) -> tuple:
         s = self.inner
-        return s.state_dict(), s.rows_passed, s.epoch, (s.last_order if self._has_order else None)
+        return self._position(), s.rows_passed, s.epoch, (s.last_order if self._has_order else None)
+
+    def position(self):
+        """The source's :meth:`position` (its state, for a source without one) before the oldest row
+        read ahead and not consumed, else now."""
+        with self._cv:
+            return self._rows[0].at[0] if self._rows else self._position()
+
+    def state_at(self, position) -> dict:
+        return self.inner.state_at(position) if self._positions else position
 
     def state_dict(self) -> dict:
-        with self._cv:
-            return self._rows[0].at[0] if self._rows else self.inner.state_dict()
+        return self.state_at(self.position())
 
     @property
     def rows_passed(self) -> int:
