@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from torchdata_overlord.runtime import shm
+from torchdata_overlord.runtime.procstats import process_running
 from torchdata_overlord.runtime.wire import discard, pack, unpack
 
 
@@ -32,15 +33,6 @@ def _maps(pid: int) -> str:
 def _dev_shm_maps(pid: int) -> set:
     """The /dev/shm files ``pid`` maps (other code in a test process, e.g. torch.multiprocessing, may map some)."""
     return {line.split(None, 5)[-1] for line in _maps(pid).splitlines() if "/dev/shm/" in line}
-
-
-def _exited(pid: int) -> bool:
-    """``pid`` is gone or a zombie (a child not yet reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def _until(condition, timeout: float = 30.0, what: str = "") -> None:
@@ -193,7 +185,7 @@ def test_rpc_same_host_buffers_travel_in_shared_memory_and_leave_nothing_behind(
         # kill the sender while the receiver holds views of its arena: they stay readable
         killed = t.worker_pids[0]
         os.kill(killed, signal.SIGKILL)
-        _until(lambda: _exited(killed), what=f"process {killed} to exit")
+        _until(lambda: not process_running(killed), what=f"process {killed} to exit")   # gone or a zombie
         assert t.call("b", "sums", timeout=30).result(40) == sent
     new = {e for e in _dev_shm() - before if os.stat(f"/dev/shm/{e}").st_mtime >= t0 - 1}
     assert new == set(), f"left in /dev/shm: {sorted(new)}"
