@@ -113,7 +113,7 @@ class SourceLoader(BaseNode[tuple]):
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"overlord-{self.name}") if workers else None
         # index -> (record, source position before reading it, read sequence number, slot of its metadata row in
         # self._meta, read-order key or -1), oldest first
-        self._buffer: OrderedDict[int, tuple[Any, dict, int, int, int]] = OrderedDict()
+        self._buffer: OrderedDict[int, tuple[Any, Any, int, int, int]] = OrderedDict()
         self._meta = MetaSlots(buffer_size)
         self.ordered = hasattr(source, "last_order") and hasattr(source, "owns")
         # where the source stands, kept per buffered row: its position (a small tuple) where it has one
@@ -162,7 +162,8 @@ class SourceLoader(BaseNode[tuple]):
 
     def get_state(self) -> dict:
         taken = [[i, o] for i, (_, o) in sorted(self._taken.items())] if self.ordered else sorted(self._taken)
-        return {self.SOURCE_STATE: self._state_at(self._base), self.TAKEN: taken, self.EPOCH_LOG: list(self.epochs_started)}
+        return {self.SOURCE_STATE: self._state_at(self._base), self.TAKEN: taken,
+                self.EPOCH_LOG: list(self.epochs_started)}
 
     # -- role API ------------------------------------------------------------------------------
     def fill(self) -> None:
