@@ -174,7 +174,10 @@ def runtimes_table(data: dict) -> list[str]:
                       "first bytecodes after a model step cost on this machine (cold caches), the part of a ready "
                       "`next()` no loader can remove. A ready step is packaged before `next()` asks for it (on the thread "
                       "that answered it), so a ready `next()` only takes it and gives the prefetch thread its slot "
-                      "(a wake-up that does not preempt the trainer: that thread runs under SCHED_BATCH); above the "
+                      "(a wake-up that does not preempt the trainer: that thread runs under SCHED_BATCH). The timed "
+                      "`item = next(it)` also lets go of the previous batch: the slot carries that batch to the "
+                      "prefetch thread, which frees it (in the rpc runtime, where the trainer holds a batch's only "
+                      "reference, freeing it cost ~0.2 ms a step on the trainer's thread). Above the "
                       "floor: the trainer switched out for another process on a busy machine, or waiting for the GIL "
                       "held by a background thread (rpc: the RPC threads unpickling replies; the prefetch thread "
                       "submitting the next step)."]
