@@ -54,42 +54,47 @@ def test_a_ready_step_is_packaged_before_next_and_taken_as_is(corpus, expected):
     assert_identical(got, expected[:5])
 
 
+class Probe:
+    """Rides on what the loader lets go of; records the thread that freed it."""
+
+    def __init__(self):
+        self.freed_on, self.done = [], threading.Event()
+        self.rider = _Rider(self)
+
+
+class _Rider:
+    def __init__(self, probe: Probe):
+        self.probe = probe
+
+    def __del__(self):
+        self.probe.freed_on.append(threading.current_thread().name)
+        self.probe.done.set()
+
+
 def test_what_next_lets_go_of_is_dropped_on_the_producer_thread(corpus):  # noqa: F811
-    dropped, done = [], threading.Event()
-
-    class Probe:
-        def __del__(self):
-            dropped.append(threading.current_thread().name)
-            done.set()
-
+    probe = Probe()
     with make_loader(corpus, "dp", MESH, prefetch=2) as loader:
         it = iter(loader)
         next(it)
         wait_for(lambda: loader._ahead and loader._ahead[0].done())
-        loader._consumed["probe"] = Probe()        # rides on the consumed record next() replaces
+        loader._consumed["probe"], probe.rider = probe.rider, None     # rides on the consumed record next() replaces
         next(it)
-        assert done.wait(30)
-    assert dropped == ["overlord-prefetch"]
+        assert probe.done.wait(30)
+    assert probe.freed_on == ["overlord-prefetch"]
 
 
 def test_the_batch_the_trainer_lets_go_of_is_freed_on_the_producer_thread(corpus):  # noqa: F811
     """The trainer drops its last batch as it takes the next one: the loader keeps that batch until the
     producer takes the slot, so its tensors are freed there, not between the trainer's steps (in the rpc
     runtime, where the trainer holds a batch's only reference, that costs ~0.2 ms a step)."""
-    dropped, done = [], threading.Event()
-
-    class Probe:
-        def __del__(self):
-            dropped.append(threading.current_thread().name)
-            done.set()
-
+    probe = Probe()
     with make_loader(corpus, "dp", MESH, prefetch=2) as loader:
         it = iter(loader)
         item = next(it)
-        item["probe"] = Probe()                    # rides on the batch
+        item["probe"], probe.rider = probe.rider, None                 # rides on the batch
         item = next(it)                            # the trainer lets go of the first batch
-        assert done.wait(30)
-    assert dropped == ["overlord-prefetch"]
+        assert probe.done.wait(30)
+    assert probe.freed_on == ["overlord-prefetch"]
 
 
 def test_a_step_not_packaged_in_the_background_is_packaged_by_next(corpus, expected):  # noqa: F811
