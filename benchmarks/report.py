@@ -477,7 +477,8 @@ def startup_table(data: dict) -> list[str]:
     warm = runs.get("construct_warm")
     if warm:
         lines += ["", f"One `state_dict()` of this source takes {warm['state_dict_s'] * 1e3:.2f} ms (a Source Loader "
-                      f"takes one per row it buffers; a state names more than 64 files by their digest)."]
+                      f"keeps a `position()` per row it buffers and makes a state for a checkpoint; a state names more "
+                      f"than 64 files by their digest)."]
     many = [(s, runs.get(f"many_local_{s}"), runs.get(f"many_rpc_{s}")) for s in c["sources"]]
     if any(lo or rp for _, lo, rp in many):
         lines += ["", f"Start-up to the first batch with S ordinary sources (2 files of 2 row groups of "

@@ -14,7 +14,7 @@ each is run ``--repeat`` times, interleaved, and the median is reported with eve
 * ``construct_cold`` / ``construct_warm``: ``ParquetSource(...)`` over the many files with an empty
   file-metadata journal folder (every footer read; the files themselves are in the page cache) and
   with the journal the cold run wrote; seconds, footers read (``metadata_reads``) and one
-  ``state_dict()`` call (a Source Loader takes one per row it buffers);
+  ``state_dict()`` call (what a checkpoint of a Source Loader takes; it keeps a ``position()`` per buffered row);
 * ``construct_warm.spec``: then, what the rpc runtime does to ship the source to a worker:
   ``SourceSpec.from_source`` through pickle (bytes, seconds), built again from it (seconds, footers read);
 * ``first_{local,rpc}_{cold,warm}``: from ``ParquetSource(...)`` to the first batch of
