@@ -180,7 +180,6 @@ def test_a_state_loaded_while_a_reshard_is_pending_aborts_it(corpus, placement, 
         assert actor.loader._pool is None
 
 
-
 def _recovery(placement: dict, active: dict, constructors: list, spares=(), home=None):
     """What ``reshard._hosts`` reads of the Planner's recovery: where actors live, who serves."""
     from types import SimpleNamespace

@@ -26,7 +26,7 @@ from torchdata.nodes import BaseNode
 
 from ..errors import ConfigError
 from ..plane.records import BufferMeta
-from ..sources.base import SKIPPED
+from ..sources.base import SKIPPED, positions
 from .constructor import sequence_length
 from .meta_slots import MetaSlots
 
@@ -77,10 +77,6 @@ def record_bytes(record: Any) -> int:
     return (_SIZERS.get(type(record)) or _sizer(record))(record)
 
 
-def _as_is(state: dict) -> dict:
-    return state
-
-
 def _same_state(a: Any, b: Any) -> bool:
     """Equal states, lists and tuples alike (a state that travelled may have either)."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -118,9 +114,7 @@ class SourceLoader(BaseNode[tuple]):
         self.ordered = hasattr(source, "last_order") and hasattr(source, "owns")
         # where the source stands, kept per buffered row: its position (a small tuple) where it has one
         # (a state made from it only for a checkpoint), else its state
-        positions = hasattr(source, "position") and hasattr(source, "state_at")
-        self._here = source.position if positions else source.state_dict
-        self._state_at = source.state_at if positions else _as_is
+        self._here, self._state_at = positions(source)
         self._seq = 0
         self._ahead: set[int] = set()    # indices a catch-up will take: read, but not transformed
         self._initial = {self.SOURCE_STATE: source.state_dict(), self.TAKEN: [], self.EPOCH_LOG: [source.epoch]}

@@ -20,6 +20,18 @@ __all__ = ["Source", "SourceReadError", "SKIPPED"]
 SKIPPED = object()  # what apply() returns for a sample skipped under on_error="skip"
 
 
+def positions(source) -> tuple:
+    """``(position, state_at)`` of ``source``: its own when it has both, else ``state_dict`` and the identity
+    (its states stand for its positions)."""
+    if hasattr(source, "position") and hasattr(source, "state_at"):
+        return source.position, source.state_at
+    return source.state_dict, _as_is
+
+
+def _as_is(state):
+    return state
+
+
 class SourceReadError(OverlordError, RuntimeError):
     """Reading a source or transforming one of its samples failed during iteration (on_error="raise")."""
 

@@ -30,6 +30,8 @@ import logging
 import threading
 from typing import Any
 
+from .base import positions
+
 __all__ = ["ReadAhead"]
 
 log = logging.getLogger("torchdata_overlord")
@@ -63,8 +65,7 @@ class ReadAhead:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._has_order = hasattr(source, "last_order")
-        self._positions = hasattr(source, "position") and hasattr(source, "state_at")
-        self._position = source.position if self._positions else source.state_dict
+        self._position, self._state_at = positions(source)
         # rows read ahead; of those consumed: transformed by then, transformed by the consumer, waited for
         self.counts = {"read": 0, "ready": 0, "claimed": 0, "waited": 0, "dropped": 0}
 
@@ -85,7 +86,7 @@ class ReadAhead:
             return self._rows[0].at[0] if self._rows else self._position()
 
     def state_at(self, position) -> dict:
-        return self.inner.state_at(position) if self._positions else position
+        return self._state_at(position)
 
     def state_dict(self) -> dict:
         return self.state_at(self.position())
