@@ -115,6 +115,46 @@ def test_rows_read_ahead_are_used_and_not_counted_in_the_state(files):
         wrapped.close()
 
 
+def test_finish_is_applied_to_the_samples_the_thread_transformed(files):
+    """``finish`` (the rpc loader's hold into shared memory) runs on what the read-ahead thread transformed,
+    on that thread, and not on a row the consumer transformed itself; the samples keep their values."""
+    ahead = ReadAhead(ParquetSource("s", files, _transform, seed=5, epochs=2))     # a bad row raises
+    plain = ParquetSource("s", files, _transform, seed=5, epochs=2)
+    seen = []
+
+    def finish(sample):
+        seen.append(threading.current_thread().name)
+        return {**sample, "finished": True}
+
+    ahead.finish = finish
+    try:
+        ahead.ahead(8)
+        assert ahead.wait_ready(WAIT)
+        got, finished = [], []
+        for k in range(14):                      # 8 rows transformed ahead, then rows read and transformed now
+            index, row, where = ahead.next_raw()
+            try:
+                sample = ahead.apply(row, where)
+            except SourceReadError:              # a bad row: raised where consumed, finish or not
+                continue
+            finished.append((k < 8, sample.pop("finished", False)))
+            got.append((index, sample))
+        assert finished and all(ahead_ == done for ahead_, done in finished)
+        assert len(seen) == sum(a for a, _ in finished) and all(n.startswith("overlord-ahead-") for n in seen)
+        want = []
+        while len(want) < len(got):
+            index, row, where = plain.next_raw()
+            try:
+                want.append((index, plain.apply(row, where)))
+            except SourceReadError:
+                pass
+        assert [i for i, _ in got] == [i for i, _ in want]
+        assert all(a["n"] == b["n"] and np.array_equal(a["input_ids"], b["input_ids"]) for (_, a), (_, b) in zip(got, want))
+    finally:
+        ahead.close()
+        plain.close()
+
+
 @pytest.mark.parametrize("bad", ["row group", "transform"])
 def test_an_error_met_ahead_is_raised_at_the_same_step_with_the_same_text(tmp_path, bad):
     for f in range(2):

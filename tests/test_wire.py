@@ -211,8 +211,8 @@ def test_the_received_tensors_keep_the_buffer_alive_until_the_last_is_gone(monke
     array = buffer.numpy().copy()
     freed = []
     weakref.finalize(array, freed.append, True)
-    monkeypatch.setattr(wire.shm, "receive", lambda ref: array)
-    ref = ("shm", 0, 0, "", 0, len(array))
+    monkeypatch.setattr(wire.shm, "receive", lambda ref: (array, None))
+    ref = ("shm", 0, 0, "", 0, len(array), ())
     back = unpack(data, ref)
     del array, buffer
     gc.disable()

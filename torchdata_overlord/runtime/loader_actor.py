@@ -17,9 +17,11 @@ from ..plane.records import BufferMeta
 from ..roles.loader_parts import part_key
 from ..roles.source_loader import SourceLoader, record_bytes
 from ..sources.read_ahead import ReadAhead
+from . import shm
 from .refs import ConstructorRef
 from .role import RoleActor, gather
 from .step import JobReset
+from .wire import hold
 
 __all__ = ["LoaderActor", "Delivery"]
 
@@ -93,6 +95,7 @@ class LoaderActor(RoleActor):
             self.peers.learn(dict(where))
         self.loader.fill()                  # a promoted or restored loader starts with an empty buffer
         recs = self.loader.take(indices) if indices else {}
+        self._hold_ahead(routes)
         t0, acked = time.perf_counter(), []
         futs = {c: ConstructorRef(self.peers, c, self.timeout).put(gen, step, self.name, {i: recs[i] for i in idx},
                                                                    self.key)
@@ -112,6 +115,26 @@ class LoaderActor(RoleActor):
         self.sent["bytes"] += sum(record_bytes(recs[i]) for idx in routes.values() for i in idx)
         self.delivered += 1
         return Delivery(state, meta)
+
+    def _hold_ahead(self, routes: Mapping[str, list]) -> None:
+        """Have the read-ahead thread put the samples it transforms into shared memory (:func:`.wire.hold`)
+        while most of a step's samples go to constructors in other processes of this host: a put then
+        sends them by place instead of copying them (one copy either way, made ahead of the step instead
+        of in it); a sample that stays in this process would be copied for nothing, so not otherwise."""
+        if self.ahead is None:
+            return
+        far = near = 0
+        if shm.sharing():                   # (else no RPC group, or no peer of this host yet)
+            from .rpc_agent import self_name
+
+            here = self_name()
+            for c, idx in routes.items():
+                w = self.peers.where(c)
+                if w != here and shm.peer_ready(w):
+                    far += len(idx)
+                else:
+                    near += len(idx)
+        self.ahead.finish = hold if far > near else None
 
     # -- standby and recovery ------------------------------------------------------------------
     def follow(self, version: int, state: dict) -> None:

@@ -22,17 +22,24 @@ container's ``/proc``, no rights, shm disabled there), messages go through the s
 
 Lifetime of a region (no use-after-free, no blocking):
 
-* Each allocation starts with a 64-byte header whose first 8 bytes say *live* (set by the sender).
-  The receiver's tensors are views of one numpy array per message; a ``weakref.finalize`` on that
-  array writes *free* into the header once the last view (and every tensor made from one) is gone.
-* The sender reuses a region only once its header says *free* (lowest addresses first, so the pages
-  touched stay about the bytes in flight). When no region is free, or a message is larger than a
+* Each allocation starts with a 64-byte header of eight words, each with one writer. Word 0 of a
+  *message* region says *live* (set by the sender) until the receiver's views are gone: they are
+  views of one numpy array per message, and a ``weakref.finalize`` on that array writes *free*.
+* The sender reuses a region only once all eight words say *free* (lowest addresses first, so the
+  pages touched stay about the bytes in flight). When no region is free, or a message is larger than a
   quarter of the arena, the message goes through the socket: a receiver that holds views for a
   long time (a trainer keeping batches) costs arena space, never correctness.
 * A region whose receiver never frees it (the peer died, or the call failed after the request was
   sent) stays *live* in the arena until the group ends (the sender cannot know the receiver will
   never read it); the arena is dropped when this process leaves its RPC group (:func:`reset`) and a
   new one made for the next group.
+
+*Held* records (zero copy at send time): :func:`hold` moves a record's tensors into a region of their
+own ahead of time (a Source Loader does it as it transforms the rows of its next refill), and its
+tensors become views of that region; word 0 is then the sender's, freed once those views are gone.
+:func:`.wire.pack` sends such a tensor as a place in the arena instead of copying it: per message and
+region it claims one of words 1-7 (a *slot*, freed by that receiver's views as above), so the region
+outlives whichever side lets go last. A region with all its slots taken sends its tensors by copy.
 
 Turned off with ``OVERLORD_RPC_SHM=0`` in a process's environment (a process with it off neither
 sends through shared memory nor accepts a peer's arena); ``OVERLORD_RPC_SHM_MIB`` sizes the arena
@@ -41,6 +48,7 @@ sends through shared memory nor accepts a peer's arena); ``OVERLORD_RPC_SHM_MIB`
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import threading
@@ -50,16 +58,23 @@ import numpy as np
 
 from .switches import env_on
 
-__all__ = ["enabled", "set_enabled", "reset", "alloc", "free", "receive", "peer_ready", "ShmRef", "stats"]
+__all__ = ["enabled", "set_enabled", "reset", "alloc", "hold", "current", "sharing", "free", "receive",
+           "peer_ready", "ShmRef", "stats"]
 
 ENV, SIZE_ENV = "OVERLORD_RPC_SHM", "OVERLORD_RPC_SHM_MIB"
 _MAGIC = b"OVLDSHM1"
 _NAME = "memfd:overlord-wire"         # how /proc shows an arena's fd
-_HEAD = 64                      # the arena's header (magic, token) and each allocation's header
+_HEAD = HEADER = 64             # the arena's header (magic, token) and each allocation's header
+_WORDS = _HEAD // 8             # an allocation's header words: 0 (its owner), then the slots of a held region
 _ALIGN = 64
 _LIVE, _FREE = 1, 0
+_LIVE_HEAD = _LIVE.to_bytes(8, "little") + bytes(_HEAD - 8)
+_FEW = 64                       # up to this many regions, alloc frees the free ones every time (they are cheap
+_SWEEP_BYTES = 4 << 20          # to look at); with more (held records), once every 4 MiB allocated or when full
 
-#: what a message carries in place of its buffer: ("shm", pid, fd, token, offset, nbytes)
+#: what a message carries in place of its buffer: ("shm", pid, fd, token, offset, nbytes, held); offset -1
+#: when every tensor of it is held (no buffer); ``held``: () or (lo, hi, slot words...), the span of the
+#: arena its held tensors lie in and the header words its receiver frees
 ShmRef = tuple
 
 
@@ -106,33 +121,74 @@ class _Arena:
         self.mm[:_HEAD] = (_MAGIC + self.token.encode()).ljust(_HEAD, b"\0")
         # an allocation's header word, by offset // 8 (a memoryview: its items read as ints, numpy's cost more)
         self.words = memoryview(self.mm).cast("q")
-        self.live: list[tuple[int, int]] = []               # (start, end) of every region not yet freed, sorted
+        self.starts: list[int] = []         # every region not yet seen free, sorted, and where each ends
+        self.ends: list[int] = []
+        self.gaps: list[list[int]] = []     # [start, end) between them at the last sweep, less what went since
+        self.swept = 0                      # bytes allocated since free regions were last dropped from them
         self.lock = threading.Lock()
         self.pid = os.getpid()
+
+    def _sweep(self) -> None:
+        """Forget the regions whose eight header words all say free, and list the gaps between the others,
+        lowest first (the caller holds the lock)."""
+        words, starts, ends, gaps, at = self.words, [], [], [], _HEAD
+        for s, e in zip(self.starts, self.ends):
+            w = s >> 3
+            if any(words[w:w + _WORDS]):
+                if s - at > _HEAD:
+                    gaps.append([at, s])
+                starts.append(s)
+                ends.append(e)
+                at = e
+        self.starts, self.ends, self.gaps, self.swept = starts, ends, gaps, 0
+
+    def _fit(self, need: int) -> int | None:
+        """Where a region of ``need`` bytes goes: the first gap it fits (lowest addresses first, so the pages
+        touched stay about the bytes in use), else after the last region; None when full (the caller holds
+        the lock)."""
+        for i, gap in enumerate(self.gaps):
+            if gap[1] - gap[0] >= need:
+                start = gap[0]
+                gap[0] += need
+                if gap[1] - gap[0] <= _HEAD:
+                    del self.gaps[i]
+                return start
+        tail = self.ends[-1] if self.ends else _HEAD
+        return tail if self.size - tail >= need else None
 
     def alloc(self, nbytes: int) -> tuple[int, np.ndarray] | None:
         need = _HEAD + -(-nbytes // _ALIGN) * _ALIGN
         if need > (self.size - _HEAD) // 4:
             return None
         with self.lock:
-            words = self.words
-            self.live = [r for r in self.live if words[r[0] >> 3] != _FREE]
-            start = _HEAD
-            for i, (s, e) in enumerate(self.live):
-                if s - start >= need:
-                    break
-                start = e
-            else:
-                i = len(self.live)
-                if self.size - start < need:
-                    return None
-            self.live.insert(i, (start, start + need))
-            words[start >> 3] = _LIVE
+            if len(self.starts) <= _FEW or self.swept >= _SWEEP_BYTES:
+                self._sweep()
+            start = self._fit(need)
+            if start is None and self.swept:
+                self._sweep()
+                start = self._fit(need)
+            if start is None:
+                return None
+            i = bisect.bisect(self.starts, start)
+            self.starts.insert(i, start)
+            self.ends.insert(i, start + need)
+            self.swept += need
+            self.mm[start:start + _HEAD] = _LIVE_HEAD          # live, no slot taken (the bytes were data before)
         view = np.frombuffer(self.mm, np.uint8, count=nbytes, offset=start + _HEAD)
         return start, view
 
     def free(self, start: int) -> None:
         self.words[start >> 3] = _FREE
+
+    def claim(self, start: int) -> int | None:
+        """A free slot word of held region ``start``, now live (a receiver frees it); None when all are taken."""
+        words, w = self.words, start >> 3
+        with self.lock:
+            for k in range(w + 1, w + _WORDS):
+                if words[k] == _FREE:
+                    words[k] = _LIVE
+                    return k
+        return None
 
     def close(self) -> None:
         """Forget the arena here (receivers keep their own mappings; the memory goes with the last one)."""
@@ -165,13 +221,14 @@ _LOCK = threading.Lock()
 _ARENA: list[_Arena] = []                       # this process's arena while it is in a group (made on demand)
 _ATTACHED: dict[tuple, _Attached] = {}          # (pid, fd, token) -> a peer's arena mapped here
 _PEERS: dict[str, bool | None] = {}             # RPC worker name -> shares the host (None: asked, no answer yet)
-_STATS = {"sent": 0, "sent_bytes": 0, "fallback_full": 0, "received": 0, "freed": 0}
+_STATS = {"sent": 0, "sent_bytes": 0, "fallback_full": 0, "received": 0, "freed": 0, "held": 0, "hold_full": 0,
+          "held_messages": 0, "sent_held": 0}
 
 
 def stats() -> dict:
     """Counters of this process (messages sent/received through shared memory, falls back to the socket)."""
     return dict(_STATS, peers={k: v for k, v in _PEERS.items()}, attached=len(_ATTACHED),
-                live=len(_ARENA[0].live) if _ARENA else 0)
+                live=len(_ARENA[0].starts) if _ARENA else 0)
 
 
 def reset() -> None:
@@ -208,15 +265,51 @@ def alloc(nbytes: int) -> tuple[ShmRef, np.ndarray] | None:
     start, view = got
     _STATS["sent"] += 1
     _STATS["sent_bytes"] += nbytes
-    return ("shm", a.pid, a.fd, a.token, start, nbytes), view
+    return ("shm", a.pid, a.fd, a.token, start, nbytes, ()), view
+
+
+def hold(nbytes: int) -> tuple[_Arena, int, np.ndarray] | None:
+    """A region of ``nbytes`` for a held record (see the module's notes): (the arena, the region's start,
+    a uint8 array over its bytes, whose views keep the region until the last of them, and every slot a
+    message claimed, is gone). None when the arena is full (or this process does not use shared memory)."""
+    if not enabled():
+        return None
+    a = _arena()
+    got = a.alloc(nbytes)
+    if got is None:
+        _STATS["hold_full"] += 1
+        return None
+    start, view = got
+    weakref.finalize(view, a.free, start)
+    _STATS["held"] += 1
+    return a, start, view
+
+
+def count_held(regions: int) -> None:
+    """Count a message that sends the tensors of ``regions`` held regions by place."""
+    _STATS["held_messages"] += 1
+    _STATS["sent_held"] += regions
+
+
+def current() -> "_Arena | None":
+    """This process's arena, if it made one in this group."""
+    return _ARENA[0] if _ARENA else None
+
+
+def sharing() -> bool:
+    """Whether a peer of this group said it maps this process's arena (shares the host)."""
+    return any(_PEERS.values())
 
 
 def free(ref: ShmRef) -> None:
-    """Give back a region that was never sent (the RPC could not be made)."""
+    """Give back what a message that was never sent (the RPC could not be made) holds: its region, its slots."""
     with _LOCK:
         a = _ARENA[0] if _ARENA else None
     if a is not None and ref[1] == a.pid and ref[2] == a.fd and ref[3] == a.token:
-        a.free(ref[4])
+        if ref[4] >= 0:
+            a.free(ref[4])
+        for w in ref[6][2:]:
+            a.words[w] = _FREE
 
 
 def _attach(pid: int, fd: int, token: str) -> _Attached:
@@ -233,20 +326,28 @@ def _attach(pid: int, fd: int, token: str) -> _Attached:
         return got
 
 
-def _release(states: np.ndarray, word: int) -> None:
-    states[word] = _FREE
+def _release(states: np.ndarray, words) -> None:
+    states[words] = _FREE
     _STATS["freed"] += 1
 
 
-def receive(ref: ShmRef) -> np.ndarray:
-    """The message buffer ``ref`` names, as a uint8 array whose views (and tensors made of them) free
-    the region once the last of them is gone."""
-    _, pid, fd, token, start, nbytes = ref
+def receive(ref: ShmRef) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """What message ``ref`` names: its buffer, as a uint8 array whose views (and tensors made of them)
+    free the region once the last of them is gone, and, when it carries held tensors, the span of the
+    sender's arena they lie in, as a uint8 array whose views free the message's slots so (None for
+    either it lacks)."""
+    _, pid, fd, token, start, nbytes, held = ref
     peer = _attach(int(pid), int(fd), str(token))
-    buf = np.frombuffer(peer.mm, np.uint8, count=int(nbytes), offset=int(start) + _HEAD)
-    weakref.finalize(buf, _release, peer.states, int(start) // 8)
+    buf = whole = None
+    if start >= 0:
+        buf = np.frombuffer(peer.mm, np.uint8, count=int(nbytes), offset=int(start) + _HEAD)
+        weakref.finalize(buf, _release, peer.states, int(start) // 8)
+    if held:
+        lo, hi, *slots = held
+        whole = np.frombuffer(peer.mm, np.uint8, count=int(hi) - int(lo), offset=int(lo))
+        weakref.finalize(whole, _release, peer.states, [int(w) for w in slots])
     _STATS["received"] += 1
-    return buf
+    return buf, whole
 
 
 def _probe(pid: int, fd: int, token: str) -> bool:

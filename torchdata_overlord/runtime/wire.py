@@ -17,7 +17,9 @@ tensors of one dtype lie one after another, so the receiver cuts them out of the
 ``split_with_sizes`` (only those not 1-D and contiguous take one more ``as_strided``).
 
 Between processes of one host the buffer is written into shared memory instead, and the message
-carries a reference to it (:mod:`.shm`: ``pack(obj, peer=...)``); :func:`unpack` takes either.
+carries a reference to it (:mod:`.shm`: ``pack(obj, peer=...)``); :func:`unpack` takes either. A
+tensor that already lies in this process's shared memory (:func:`hold` put it there ahead of time)
+is not copied at all: the message carries its place, and the receiver's tensor is a view of it.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ import torch
 
 from . import shm
 
-__all__ = ["pack", "unpack", "discard"]
+__all__ = ["pack", "unpack", "discard", "hold", "HOLD_MIN_BYTES"]
 
 _ALIGN = 16            # every tensor starts at a multiple of 16 bytes of the buffer
 _STRIDED = torch.strided
 _DTYPES: dict[torch.dtype, tuple[str, int, bool] | None] = {}   # dtype -> (name in torch, bytes, complex?)
 _LOCAL = threading.local()     # the message being unpacked on this thread: its tensors, by dtype group
+_PLACE = "_overlord_place"     # the attribute of a tensor :func:`hold` made: its _Place
+HOLD_MIN_BYTES = 256 << 10     # :func:`hold` holds a record whose tensors hold at least this many bytes
 
 
 def _dtype(dtype: torch.dtype) -> tuple[str, int, bool] | None:
@@ -86,18 +90,138 @@ def _received_group(index: int) -> list[torch.Tensor]:
     return _LOCAL.groups[index]
 
 
+class _Place:
+    """Where :func:`hold` put a tensor: its region of this process's arena, its first element (counted from
+    the arena's start) and its elements, and the shape and strides to view them with."""
+
+    __slots__ = ("arena", "region", "ptr", "shape", "stride", "name", "lo", "hi", "offset", "numel", "fix")
+
+    def __init__(self, arena, region: int, t: torch.Tensor, name: str, at: int):
+        self.arena, self.region, self.ptr, self.name = arena, region, t.data_ptr(), name
+        self.shape, self.stride = t.shape, t.stride()
+        self.lo, self.hi = at, at + t.nbytes                 # its block (all its elements), in bytes
+        self.offset, self.numel = at // t.element_size(), t.numel()
+        self.fix = None if t.dim() == 1 and t.is_contiguous() else (tuple(t.shape), t.stride())
+
+
+class _HeldGroup:
+    """A message's held tensors of one dtype, as the receiver cuts them out of the span of the sender's arena
+    they lie in: one ``split_with_sizes`` of elements ``start:at`` (gaps as pieces of their own, laid out as
+    the tensors come, in rising places), the piece each tensor is (``where``), and a view of its own for a
+    tensor whose place is below the last one's end (``loose``: index, first element, elements)."""
+
+    __slots__ = ("index", "name", "start", "at", "sizes", "where", "loose", "fixes")
+
+    def __init__(self, index: int, name: str, start: int):
+        self.index, self.name, self.start, self.at = index, name, start, start
+        self.sizes: list[int] = []
+        self.where: list[int] = []
+        self.loose: list[tuple[int, int, int]] = []
+        self.fixes: list[tuple[int, tuple, tuple]] = []
+
+    def add(self, h: "_Place") -> int:
+        i = len(self.where)
+        if h.offset >= self.at:
+            if h.offset > self.at:
+                self.sizes.append(h.offset - self.at)
+            self.where.append(len(self.sizes))
+            self.sizes.append(h.numel)
+            self.at = h.offset + h.numel
+        else:
+            self.where.append(-1)
+            self.loose.append((i, h.offset, h.numel))
+        if h.fix is not None:
+            self.fixes.append((i, *h.fix))
+        return i
+
+    def __reduce__(self):
+        return _received_held, (self.index,)
+
+
+def _received_held(index: int) -> list[torch.Tensor]:
+    """A held group's tensors in the message being unpacked (cut out before its pickle is read)."""
+    return _LOCAL.held[index]
+
+
+class _Held:
+    """A message's held tensors (:func:`hold`), by dtype; per region they lie in, one slot claimed (the
+    receiver frees it); and the span of the arena they lie in (the receiver's views are of that span)."""
+
+    __slots__ = ("arena", "groups", "slots", "first", "end")
+
+    def __init__(self, arena):
+        self.arena = arena
+        self.groups: dict[str, _HeldGroup] = {}
+        self.slots: dict[int, int] = {}                      # region start -> the slot word claimed for it
+        self.first, self.end = arena.size, 0                 # the span, in bytes from the arena's start
+
+    def place(self, t: torch.Tensor, h: _Place):
+        """``t`` pickled as its place (``h``), or None (it is copied): ``t`` moved since (``set_``, an in-place
+        resize), another group's arena, or its region's slots all taken."""
+        if h.arena is not self.arena or t.data_ptr() != h.ptr or t.shape != h.shape or t.stride() != h.stride:
+            return None
+        if h.region not in self.slots:
+            slot = self.arena.claim(h.region)
+            if slot is None:
+                return None
+            self.slots[h.region] = slot
+        if h.lo < self.first:
+            self.first = h.lo
+        if h.hi > self.end:
+            self.end = h.hi
+        g = self.groups.get(h.name)
+        if g is None:
+            g = self.groups[h.name] = _HeldGroup(len(self.groups), h.name, h.offset)
+        return operator.getitem, (g, g.add(h))
+
+    def layout(self) -> list:
+        """What the receiver's :func:`_cut_held` needs of each group."""
+        return [(g.name, g.start, g.sizes, g.where, g.loose, g.fixes) for g in self.groups.values()]
+
+    def ref(self, start: int = -1, nbytes: int = 0) -> tuple:
+        """The message's :data:`.shm.ShmRef`: its buffer's region (``start`` -1: none), the span and the slots."""
+        a, lo = self.arena, self.first - self.first % 64
+        hi = min(a.size, -(-self.end // 64) * 64)
+        return "shm", a.pid, a.fd, a.token, start, nbytes, (lo, hi, *self.slots.values())
+
+
+def _cut_held(whole, lo: int, layout: list) -> list[list[torch.Tensor]]:
+    """Each held group's tensors, as views of ``whole`` (the span of the sender's arena from byte ``lo``)."""
+    groups = []
+    for name, start, sizes, where, loose, fixes in layout:
+        span = torch.from_numpy(whole).view(getattr(torch, name))
+        start -= lo // span.element_size()
+        pieces = span[start:start + sum(sizes)].split_with_sizes(sizes)
+        got = [pieces[w] for w in where]
+        for i, first, n in loose:
+            first -= lo // span.element_size()
+            got[i] = span[first:first + n]
+        for i, shape, stride in fixes:
+            got[i] = got[i].as_strided(shape, stride)
+        groups.append(got)
+    return groups
+
+
 class _Packer(pickle.Pickler):
     """A pickler that takes out plain CPU tensors (looked up by exact type: other objects cost nothing)."""
 
-    def __init__(self, f):
+    def __init__(self, f, held: _Held | None = None):
         super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
         self.groups: dict[torch.dtype, _Group] = {}
         # not a bound method: no reference cycle, so a packer (and the tensors it holds) goes when pack returns
-        self.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: functools.partial(_reduce_tensor, self.groups)}
+        self.dispatch_table = {**copyreg.dispatch_table,
+                               torch.Tensor: functools.partial(_reduce_tensor, self.groups, held)}
 
 
-def _reduce_tensor(groups: dict[torch.dtype, _Group], t: torch.Tensor):
-    """``t`` appended to its dtype's group in ``groups`` (a packer's), and pickled as ``pieces[i]`` of it."""
+def _reduce_tensor(groups: dict[torch.dtype, _Group], held: _Held | None, t: torch.Tensor):
+    """``t`` appended to its dtype's group in ``groups`` (a packer's), and pickled as ``pieces[i]`` of it;
+    or, when it lies in a held region and ``held`` places it, pickled as that place."""
+    if held is not None:
+        h = getattr(t, _PLACE, None)
+        if h is not None and not t.requires_grad:
+            got = held.place(t, h)
+            if got is not None:
+                return got
     dtype = t.dtype
     kind = _DTYPES.get(dtype) or _dtype(dtype)
     if kind is None or t.requires_grad or not t.is_cpu or t.layout is not _STRIDED:
@@ -127,30 +251,105 @@ def _reduce_tensor(groups: dict[torch.dtype, _Group], t: torch.Tensor):
 def pack(obj, peer: str | None = None) -> tuple[bytes, torch.Tensor | tuple | None]:
     """``obj`` as (pickle, one uint8 tensor holding its CPU tensors, or None when it has none). With
     ``peer`` (the RPC worker it goes to), the buffer goes into this process's shared memory when
-    ``peer`` shares the host (:func:`.shm.peer_ready`), and its reference takes the tensor's place.
-    With a buffer, the pickle is two: where each dtype's tensors lie in the buffer, then ``obj``."""
+    ``peer`` shares the host (:func:`.shm.peer_ready`), and its reference takes the tensor's place;
+    held tensors (:func:`hold`) are then not copied, the reference names their places' slots.
+    With a buffer or held tensors, the pickle is two: where each dtype's tensors lie (in the buffer, and
+    in the sender's arena), then ``obj``."""
+    near = peer is not None and shm.peer_ready(peer)
+    arena = shm.current() if near else None
+    held = _Held(arena) if arena is not None else None
     f = io.BytesIO()
-    p = _Packer(f)
+    p = _Packer(f, held)
     p.dump(obj)
-    if not p.groups:
+    slots = held is not None and bool(held.slots)
+    if not p.groups and not slots:
         return f.getvalue(), None
     layout, size = [], 0
     for g in p.groups.values():
         layout.append((g.name, size, g.nbytes, g.sizes, g.fixes))
         size += g.nbytes
-    got = shm.alloc(size) if peer is not None and shm.peer_ready(peer) else None
+    head = (layout, held.layout() if slots else [])
+    if not p.groups:                            # every tensor held: no buffer at all
+        shm.count_held(len(held.slots))
+        return pickle.dumps(head, pickle.HIGHEST_PROTOCOL) + f.getvalue(), held.ref()
+    got = shm.alloc(size) if near else None
     if got is None:
+        if slots:                               # a full arena: the held tensors are copied too, into a tensor
+            shm.free(held.ref())
+            return pack(obj)
         out = torch.empty(size, dtype=torch.uint8)
         base = out.data_ptr()
     else:
         out, region = got
         base = region.ctypes.data
+        if slots:
+            out = held.ref(out[4], out[5])
+            shm.count_held(len(held.slots))
     memmove = ctypes.memmove                    # (each part is a CPU tensor that pack holds until copied)
     for (_, start, *_), g in zip(layout, p.groups.values()):
         for offset, nbytes, t in g.parts:       # its bytes: one block from data_ptr() on (strides are >= 0)
             if nbytes:
                 memmove(base + start + offset, t.data_ptr(), nbytes)
-    return pickle.dumps(layout, pickle.HIGHEST_PROTOCOL) + f.getvalue(), out
+    return pickle.dumps(head, pickle.HIGHEST_PROTOCOL) + f.getvalue(), out
+
+
+def _holdable(t) -> bool:
+    """A tensor :func:`hold` moves: a plain CPU tensor whose elements fill one block (as :func:`pack` copies it)."""
+    if type(t) is not torch.Tensor or t.layout is not _STRIDED or not t.is_cpu or t.requires_grad or not t.numel():
+        return False
+    kind = _DTYPES.get(t.dtype) or _dtype(t.dtype)
+    return kind is not None and not t.is_neg() and not (kind[2] and t.is_conj()) and (t.is_contiguous() or _dense(t))
+
+
+def hold(record, min_bytes: int = HOLD_MIN_BYTES):
+    """``record`` (a sample record: a dict) with its plain CPU tensors, and those in its lists and tuples, moved
+    into one region of this process's shared memory (:func:`.shm.hold`): a new dict whose tensors are views
+    of that region, with the same values, dtypes, shapes and strides (tensors that shared memory no longer
+    do). A message then carries such a tensor by place, not by copy (:func:`pack`). ``record`` itself when
+    it is not a dict, its tensors hold fewer than ``min_bytes`` bytes, or shared memory is off or full.
+
+    Holding costs the copy a put would make, plus ~20 us of Python per record; it takes the copy off the
+    step (a loader holds ahead of it). That pays for records of images (hundreds of KiB), not for a few
+    KiB of token ids, where the put's copy costs less than the hold's bookkeeping: hence ``min_bytes``
+    (:data:`HOLD_MIN_BYTES` by default; a Source Loader holds with the default)."""
+    if type(record) is not dict:
+        return record
+    found: list = []                                    # (key, index in its list or -1, tensor)
+    for k, v in record.items():
+        if type(v) is torch.Tensor:
+            found.append((k, -1, v))
+        elif type(v) is list or type(v) is tuple:
+            found += [(k, j, x) for j, x in enumerate(v) if type(x) is torch.Tensor]
+    if sum(t.nbytes for _, _, t in found) < min_bytes:  # (sizes first: most records are not held)
+        return record
+    found = [f for f in found if _holdable(f[2])]
+    if not found:
+        return record
+    offsets, size = [], 0
+    for _, _, t in found:
+        offsets.append(size)
+        size += -(-t.nbytes // _ALIGN) * _ALIGN
+    got = shm.hold(size)
+    if got is None:
+        return record
+    arena, region, view = got
+    base, memmove, whole = view.ctypes.data, ctypes.memmove, torch.from_numpy(view)
+    first = region + shm.HEADER                         # the region's first byte, from the arena's start
+    out, seqs = dict(record), {}
+    for (k, j, t), at in zip(found, offsets):
+        n = t.nbytes
+        memmove(base + at, t.data_ptr(), n)             # its block, from data_ptr() on (strides are >= 0)
+        m = whole[at:at + n].view(t.dtype)
+        if t.dim() != 1 or not t.is_contiguous():
+            m = m.as_strided(t.shape, t.stride())
+        setattr(m, _PLACE, _Place(arena, region, m, _DTYPES[t.dtype][0], first + at))
+        if j < 0:
+            out[k] = m
+        else:
+            seqs.setdefault(k, list(record[k]))[j] = m
+    for k, items in seqs.items():
+        out[k] = items if type(record[k]) is list else tuple(items)
+    return out
 
 
 def discard(buffer) -> None:
@@ -165,11 +364,11 @@ def unpack(data: bytes, buffer: torch.Tensor | tuple | None):
     if buffer is None:
         return pickle.loads(data)
     f = io.BytesIO(data)
-    layout = pickle.load(f)
+    layout, held = pickle.load(f)
     # each dtype's tensors are views of one storage of their own (torch.save refuses a storage viewed as
     # several types), made over the buffer's bytes: with a shared-memory region, every one keeps alive the
     # numpy array whose finalizer frees the region once the last view is gone
-    raw = shm.receive(buffer) if isinstance(buffer, tuple) else buffer.numpy()
+    raw, whole = shm.receive(buffer) if isinstance(buffer, tuple) else (buffer.numpy(), None)
     groups = []
     for name, start, nbytes, sizes, fixes in layout:
         dtype = getattr(torch, name)
@@ -180,9 +379,10 @@ def unpack(data: bytes, buffer: torch.Tensor | tuple | None):
             for i, shape, stride in fixes:             # the piece's offset, the tensor's shape and strides
                 pieces[i] = pieces[i].as_strided(shape, stride)
         groups.append(pieces)
-    previous = getattr(_LOCAL, "groups", None)
-    _LOCAL.groups = groups
+    held = _cut_held(whole, buffer[6][0], held) if held else None
+    previous = getattr(_LOCAL, "groups", None), getattr(_LOCAL, "held", None)
+    _LOCAL.groups, _LOCAL.held = groups, held
     try:
         return pickle.load(f)
     finally:
-        _LOCAL.groups = previous
+        _LOCAL.groups, _LOCAL.held = previous

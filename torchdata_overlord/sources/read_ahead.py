@@ -20,7 +20,10 @@ transform ran, so up to ``n`` rows before it is consumed. ``load_state_dict`` dr
 ahead; ``close`` also stops the thread. Every other attribute is the source's own.
 
 The rpc runtime reads ahead in every loader; ``OVERLORD_READ_AHEAD=0`` in the trainer's environment
-turns it off for the jobs it starts.
+turns it off for the jobs it starts. ``finish`` (None, or a function of a sample) is applied to what
+the thread's transform returned, on that thread (a row skipped under ``on_error="skip"`` gives its
+marker: ``finish`` returns what it does not know as it is): the rpc runtime's loader sets it to put
+big samples into shared memory ahead of their delivery (:func:`~torchdata_overlord.runtime.wire.hold`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class ReadAhead:
         self._thread: threading.Thread | None = None
         self._has_order = hasattr(source, "last_order")
         self._position, self._state_at = positions(source)
+        self.finish = None                        # applied to each sample the thread transformed
         # rows read ahead; of those consumed: transformed by then, transformed by the consumer, waited for
         self.counts = {"read": 0, "ready": 0, "claimed": 0, "waited": 0, "dropped": 0}
 
@@ -177,6 +181,13 @@ class ReadAhead:
                 r.sample = self.inner.apply(r.row, r.where)
             except BaseException as e:             # noqa: BLE001 - raised where the row is consumed
                 r.failure = e
+            finish = self.finish
+            if finish is not None and r.failure is None:
+                try:
+                    r.sample = finish(r.sample)
+                except Exception as e:             # noqa: BLE001 - the sample as transformed, unfinished
+                    log.warning("source %r: finishing a sample read ahead failed, kept as transformed: %s: %s",
+                                self.name, type(e).__name__, e)
             with self._cv:
                 r.done = True
                 self._cv.notify_all()              # (apply and wait_ready)
