@@ -552,7 +552,12 @@ def transport_table(data: dict) -> list[str]:
                         f"{v['tensorpipe_rtt_us_per_put']:.0f} us" if "tensorpipe_rtt_us_per_put" in v else "")
                      + f"), and packing + unpacking {v['pack_unpack_us_52kib']:.0f} us per sample."
                      if "pack_unpack_us_52kib" in v
-                     else "")]
+                     else "")
+                  + (f" Samples of 256 KiB and more (the 1 MiB row) are put into the loader's shared memory by its "
+                     f"read-ahead thread ahead of their step ({v['lane_hold_us_1mib']:.0f} us per sample there, the "
+                     f"copy a put would make) and travel by place; smaller ones are copied by the put (holding a few "
+                     f"KiB costs more Python than the copy): held and copied as designed: {v['sent_by_place']}."
+                     if v.get("lane_hold_us_1mib") is not None else "")]
     return lines
 
 

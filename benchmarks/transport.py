@@ -11,7 +11,12 @@ load of a shared machine moves, so they are interleaved, medians over rounds). F
 52 KiB, 1 MiB of tensors: ``input_ids`` and ``labels`` as int64, one uint8 ``pixels`` tensor making
 up the rest, and a few Python fields), the sender runs ``steps`` steps as ``LoaderActor.deliver``
 does: one ``put`` of ``samples`` samples to each sink at once, then waits for both answers; a sink
-keeps a step's samples until the next step (as a constructor holds them until built).
+keeps a step's samples until the next step (as a constructor holds them until built). On the paths
+through shared memory (``shm``, ``lane``) the sender first offers its samples to
+:func:`torchdata_overlord.runtime.wire.hold`, as a Source Loader's read-ahead thread does before their
+step: a sample of 256 KiB or more (``HOLD_MIN_BYTES``) is put into shared memory there, and a put sends
+it by place instead of copying it; smaller ones are copied by the put, as before. ``hold_us`` per
+sample is what that costs ahead of the step (the copy, for a held sample; deciding, for the others).
 
 Figures, per sample (the step's wall time / samples in it, the median over steps):
 
@@ -20,10 +25,12 @@ Figures, per sample (the step's wall time / samples in it, the median over steps
 * ``stream_us``: the same puts kept ``window`` deep in flight, one sink (throughput: what a sample
   costs when the round-trip latency overlaps other work, as the refill overlaps it in a job);
 * ``cpu_us``: CPU time of the two worker processes per sample in the stream run (sender + receiver);
+* ``hold_us``: offering a sample to ``hold`` ahead of its step (for a held one, the copy a put no longer makes);
 * floors: ``empty_call_rtt_us_per_put``, the round trip of a call without arguments between the two
   processes, run on the sink actor's own thread (TensorPipe or the lane, and the hand-over to the actor's
   thread; a ``put``, quick, skips that hand-over on a lane when the sink is idle), and
-  ``pack_unpack_us``, packing and unpacking a put's samples in one process, per sample.
+  ``pack_unpack_us``, packing and unpacking a put's samples in one process, per sample (as the path
+  sends them: held samples by place, the others copied).
 
 Every run checks the samples arrived bit-identical (a checksum per sample, computed on each side).
 
@@ -50,6 +57,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
+
+from torchdata_overlord.runtime.wire import HOLD_MIN_BYTES  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES_KIB = [4, 52, 1024]
@@ -105,10 +114,21 @@ class Sender:
         from torchdata_overlord.runtime import lane, shm
         shm.set_enabled(path != "socket")
         lane.set_enabled(path == "lane")
-        self.sinks = list(sinks)
+        self.sinks, self.held = list(sinks), path in ("shm", "lane")
+
+    def samples(self, first: int, nbytes: int, samples: int) -> tuple[dict, float]:
+        """``samples`` samples from number ``first`` on, put into shared memory when the path goes through
+        it (as a loader's read-ahead does), and the seconds that took."""
+        from torchdata_overlord.runtime.wire import hold
+        recs = {i: make_sample(first + i, nbytes) for i in range(samples)}
+        t0 = time.perf_counter()
+        if self.held:
+            recs = {i: hold(r) for i, r in recs.items()}
+        return recs, time.perf_counter() - t0
 
     def handoff(self, nbytes: int, samples: int, steps: int, warmup: int) -> dict:
-        recs = [{i: make_sample(c * samples + i, nbytes) for i in range(samples)} for c in range(len(self.sinks))]
+        made = [self.samples(c * samples, nbytes, samples) for c in range(len(self.sinks))]
+        recs = [r for r, _ in made]
         per_step = []
         for step in range(warmup + steps):
             t0 = time.perf_counter()
@@ -121,7 +141,8 @@ class Sender:
         got = {}
         for s in self.sinks:
             got.update(self.peers.call(s, "checksums", timeout=60).result(65))
-        return {"per_step_s": per_step, "identical": got == sent and len(got) == len(sent)}
+        return {"per_step_s": per_step, "identical": got == sent and len(got) == len(sent),
+                "hold_s": sum(t for _, t in made) / (samples * len(self.sinks))}
 
     def floor(self, nbytes: int, samples: int, n: int) -> dict:
         """What every put costs whatever carries its bytes: an empty call's round trip to the first sink,
@@ -133,7 +154,7 @@ class Sender:
         import torch.distributed.rpc as rpc
 
         from torchdata_overlord.runtime.wire import pack, unpack
-        recs = {i: make_sample(i, nbytes) for i in range(samples)}
+        recs, _ = self.samples(0, nbytes, samples)
         worker = self.peers.where(self.sinks[0])
         rtt, raw, wire = [], [], []
         for _ in range(n):
@@ -144,17 +165,18 @@ class Sender:
             rpc.rpc_async(worker, operator.add, args=(1, 1), timeout=60).wait()
             raw.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            unpack(*pack(((0, recs), {})))
+            unpack(*pack(((0, recs), {}), peer=worker))
             wire.append(time.perf_counter() - t0)
         return {"rtt_s": float(np.median(rtt)), "raw_rtt_s": float(np.median(raw)),
                 "pack_unpack_s": float(np.median(wire))}
 
     def stream(self, nbytes: int, samples: int, calls: int, window: int) -> dict:
-        recs = {i: make_sample(i, nbytes) for i in range(samples)}
+        recs, _ = self.samples(0, nbytes, samples)
         sink = self.sinks[0]
         other_cpu = self.peers.call(sink, "cpu", timeout=60).result(65)
         from torchdata_overlord.runtime import lane, shm
-        sent0, lane0 = shm.stats()["sent"], lane.stats()["calls"]
+        st = shm.stats()
+        sent0, held0, lane0 = st["sent"], st["held_messages"], lane.stats()["calls"]
         c0, t0 = _cpu(), time.perf_counter()
         inflight = []
         for k in range(calls):
@@ -166,8 +188,10 @@ class Sender:
         wall, cpu = time.perf_counter() - t0, _cpu() - c0
         other_cpu = self.peers.call(sink, "cpu", timeout=60).result(65) - other_cpu
         local = self.peers.where(sink) == self.peers.where("sender")
+        st = shm.stats()
         return {"wall_s": wall, "cpu_s": cpu + (0.0 if local else other_cpu), "samples": calls * samples,
-                "via_shm": shm.stats()["sent"] - sent0, "via_lane": lane.stats()["calls"] - lane0}
+                "via_shm": st["sent"] - sent0 + st["held_messages"] - held0, "via_held": st["held_messages"] - held0,
+                "via_lane": lane.stats()["calls"] - lane0}
 
 
 PATHS = {"inprocess": "two actors of one process (no RPC, no pickling)",
@@ -193,7 +217,7 @@ def measure(t, path: str, kib: int, a: dict) -> dict:
             "pack_unpack_us": 1e6 * f["pack_unpack_s"] / a["samples"],
             "handoff_p90_us": 1e6 * float(np.percentile(h["per_step_s"], 90)) / n,
             "stream_us": 1e6 * s["wall_s"] / s["samples"], "cpu_us": 1e6 * s["cpu_s"] / s["samples"],
-            "via_shm": s["via_shm"], "via_lane": s["via_lane"]}
+            "hold_us": 1e6 * h["hold_s"], "via_shm": s["via_shm"], "via_held": s["via_held"], "via_lane": s["via_lane"]}
 
 
 def main(argv=None) -> int:
@@ -235,25 +259,28 @@ def main(argv=None) -> int:
         for kib, rows in by.items():
             if rows:
                 table[path][kib] = {k: float(np.median([row[k] for row in rows]))
-                                    for k in ("handoff_us", "handoff_p90_us", "stream_us", "cpu_us",
+                                    for k in ("handoff_us", "handoff_p90_us", "stream_us", "cpu_us", "hold_us",
                                               "empty_call_rtt_us_per_put", "tensorpipe_rtt_us_per_put",
                                               "pack_unpack_us")}
                 table[path][kib]["identical"] = all(row["identical"] for row in rows)
                 table[path][kib]["via_shm"] = sum(row["via_shm"] for row in rows)
+                table[path][kib]["via_held"] = sum(row["via_held"] for row in rows)
                 table[path][kib]["via_lane"] = sum(row["via_lane"] for row in rows)
     print(f"\nper sample, us (medians of {a['rounds']} round(s)); hand-off: deliver-shaped (a put of {a['samples']} "
           f"samples to each of 2 constructors, then wait for both); stream: {a['window']} puts in flight to one; "
-          f"cpu: both processes' CPU time in the stream run; floors: an empty call's round trip (us per put, "
+          f"cpu: both processes' CPU time in the stream run; hold: putting a sample into shared memory ahead of its "
+          f"step (shm and lane; the copy a put then skips); floors: an empty call's round trip (us per put, "
           f"whatever carries the bytes) and packing + unpacking (us per sample, in one process)")
-    print(f"{'KiB':>6} {'path':>10} {'hand-off':>9} {'p90':>9} {'stream':>9} {'cpu':>9} {'identical':>9} {'via shm':>8} {'via lane':>8} "
-          f"{'empty call':>10} {'tensorpipe':>10} {'pack+unpack':>11}")
+    print(f"{'KiB':>6} {'path':>10} {'hand-off':>9} {'p90':>9} {'stream':>9} {'cpu':>9} {'hold':>7} {'identical':>9} {'via shm':>8} "
+          f"{'by place':>8} {'via lane':>8} {'empty call':>10} {'tensorpipe':>10} {'pack+unpack':>11}")
     for kib in map(str, a["sizes_kib"]):
         for path in PATHS:
             row = table[path].get(kib)
             if row:
                 print(f"{kib:>6} {path:>10} {row['handoff_us']:>9.1f} {row['handoff_p90_us']:>9.1f} "
-                      f"{row['stream_us']:>9.1f} {row['cpu_us']:>9.1f} {str(row['identical']):>9} {row['via_shm']:>8} "
-                      f"{row['via_lane']:>8} {row['empty_call_rtt_us_per_put']:>10.0f} {row['tensorpipe_rtt_us_per_put']:>10.0f} "
+                      f"{row['stream_us']:>9.1f} {row['cpu_us']:>9.1f} {row['hold_us']:>7.1f} {str(row['identical']):>9} "
+                      f"{row['via_shm']:>8} {row['via_held']:>8} {row['via_lane']:>8} "
+                      f"{row['empty_call_rtt_us_per_put']:>10.0f} {row['tensorpipe_rtt_us_per_put']:>10.0f} "
                       f"{row['pack_unpack_us']:>11.1f}")
     verdict = {}
     if all("52" in table[p] for p in ("socket", "shm", "lane")):
@@ -265,6 +292,10 @@ def main(argv=None) -> int:
                    "handoff_meets_target": ln["handoff_us"] <= TARGET_US, "stream_meets_target": ln["stream_us"] <= TARGET_US,
                    "all_identical": all(r["identical"] for by in table.values() for r in by.values()),
                    "shm_used": all(r["via_shm"] > 0 for p in ("shm", "lane") for r in table[p].values()),
+                   # a loader holds a record of 256 KiB or more ahead of its step (wire.HOLD_MIN_BYTES), not smaller ones
+                   "sent_by_place": all((r["via_held"] > 0) == (int(kib) * 1024 >= HOLD_MIN_BYTES)
+                                        for p in ("shm", "lane") for kib, r in table[p].items()),
+                   "lane_hold_us_1mib": table["lane"]["1024"]["hold_us"] if "1024" in table["lane"] else None,
                    "lane_used": all(r["via_lane"] > 0 for r in table["lane"].values()),
                    "others_off_lane": all(r["via_lane"] == 0 for p in ("socket", "shm") for r in table[p].values()),
                    "empty_call_rtt_us_per_put": ln["empty_call_rtt_us_per_put"],
@@ -272,13 +303,14 @@ def main(argv=None) -> int:
                    "empty_call_rtt_us_per_sample": ln["empty_call_rtt_us_per_put"] / a["samples"],
                    "tensorpipe_rtt_us_per_put": sh["tensorpipe_rtt_us_per_put"],
                    "pack_unpack_us_52kib": ln["pack_unpack_us"],
-                   "socket_used_no_shm": all(r["via_shm"] == 0 for r in table["socket"].values())}
+                   "socket_used_no_shm": all(r["via_shm"] == 0 and r["via_held"] == 0 for r in table["socket"].values())}
         print(f"\n52 KiB per sample, one host, target <= {TARGET_US:g} us: hand-off lane {ln['handoff_us']:.1f} us vs "
               f"shm over TensorPipe {sh['handoff_us']:.1f} us vs socket {so['handoff_us']:.1f} us "
               f"({'MEETS' if verdict['handoff_meets_target'] else 'MISSES'}); stream lane {ln['stream_us']:.1f} vs shm "
               f"{sh['stream_us']:.1f} vs socket {so['stream_us']:.1f} us "
               f"({'MEETS' if verdict['stream_meets_target'] else 'MISSES'}); bit-identical: {verdict['all_identical']}; "
-              f"shm used: {verdict['shm_used']}, lane used: {verdict['lane_used']}, the others off it: "
+              f"shm used: {verdict['shm_used']}, samples of 256 KiB and more sent by place (put there ahead of the step), "
+              f"the others copied: {verdict['sent_by_place']}, lane used: {verdict['lane_used']}, the others off it: "
               f"{verdict['others_off_lane']}, socket path free of shm: {verdict['socket_used_no_shm']}; an empty call takes "
               f"{verdict['empty_call_rtt_us_per_put']:.0f} us on the lane, "
               f"{verdict['empty_call_rtt_us_per_put_tensorpipe']:.0f} us over TensorPipe "
@@ -288,6 +320,7 @@ def main(argv=None) -> int:
            "verdict": verdict, "errors": errors}
     write_results(args.out, out, started=t_all, load_start=load_start)
     ok = (verdict and verdict["all_identical"] and verdict["shm_used"] and verdict["socket_used_no_shm"]
+          and verdict["sent_by_place"]
           and verdict["lane_used"] and verdict["others_off_lane"])
     return 1 if errors or not ok else 0
 
