@@ -388,7 +388,8 @@ json.dump(report, open({str(out)!r}, "w"))
 
 @pytest.mark.slow
 def test_a_killed_trainer_leaves_no_role_process_behind(corpus, tmp_path):
-    """SIGKILL the trainer process mid-run: its RPC worker processes (the roles) must exit on their own."""
+    """SIGKILL the trainer process mid-run: its RPC worker processes (the roles) must exit on their own,
+    and the fork server's socket folder (``pymp-*``, which a trainer removes only when it exits) goes too."""
     import signal
     import time
 
@@ -403,7 +404,9 @@ loader = ol.OverlordLoader(make_sources(corpus), vlm_strategy, make_mesh(), rank
                            image_token_id=corpus.image_token_id, runtime="rpc", n_workers=2)
 it = iter(loader)
 next(it)
+import multiprocessing.util
 print(" ".join(str(p) for p in set(loader.stats()["roles"].values())), flush=True)
+print(multiprocessing.util.get_temp_dir(), flush=True)
 for _ in it:
     pass
 """
@@ -412,6 +415,9 @@ for _ in it:
         line = proc.stdout.readline()
         pids = [int(p) for p in line.split()]
         assert len(pids) == 2 and proc.pid not in pids, (line, proc.stderr.read() if not line else "")
+        folder = proc.stdout.readline().strip()
+        assert os.path.basename(folder).startswith("pymp-") and any(
+            n.startswith("listener-") for n in os.listdir(folder)), folder     # the fork server's socket
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 30                 # bounded poll of the process table (not our children)
@@ -421,6 +427,9 @@ for _ in it:
             if alive:
                 time.sleep(0.1)
         assert not alive, f"role processes {alive} outlived their trainer"
+        while os.path.exists(folder) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(folder), f"{folder} outlived the killed trainer: {os.listdir(folder)}"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -249,3 +249,54 @@ def test_rpc_runtime_starts_under_a_tmpdir_too_long_for_a_unix_socket(corpus, tm
     assert runs["nowhere"]["error"] == "ConfigError"
     assert "set TMPDIR to a shorter folder" in runs["nowhere"]["message"]
     assert str(long_dir) in runs["nowhere"]["message"]
+
+
+def _open_one_loader(root: str) -> None:
+    """A process started by the trainer of SHARED_TMP_SCRIPT: an rpc loader of its own, one step."""
+    with make_loader(build_demo_corpus(root, scale="test", seed=0), "eval", "rpc", n_workers=1) as loader:
+        next(iter(loader))
+
+
+def _nothing() -> None:
+    pass
+
+
+SHARED_TMP_SCRIPT = """
+import json, multiprocessing as mp, os, sys
+sys.path.insert(0, {tests!r})
+from multiprocessing import util
+from test_rpc_process_lifecycle import _nothing, _open_one_loader, make_loader
+from torchdata_overlord.sim.corpus import build_demo_corpus
+
+if __name__ == "__main__":
+    corpus = build_demo_corpus({root!r}, scale="test", seed=0)
+    with make_loader(corpus, "train", "rpc", n_workers=1) as loader:
+        next(iter(loader))
+    folder = util.get_temp_dir()
+    ours = [n for n in os.listdir(folder) if n.startswith("listener-")]
+    p = mp.get_context("spawn").Process(target=_open_one_loader, args=({root!r},))
+    p.start()
+    p.join(240)
+    q = mp.get_context("forkserver").Process(target=_nothing)   # through our fork server's socket
+    q.start()
+    q.join(60)
+    print(json.dumps({{"folder": folder, "ours": ours, "child": p.exitcode, "forked": q.exitcode,
+                      "left": [n for n in os.listdir(folder) if n.startswith("listener-")]}}))
+"""
+
+
+@pytest.mark.slow
+def test_a_fork_server_leaves_a_shared_socket_folder_to_the_process_that_made_it(corpus, tmp_path):
+    """A process started by a trainer (``spawn``) inherits its ``pymp-*`` folder and starts its own fork server
+    there. When that child ends, its server must not take the trainer's socket (or the folder) with it:
+    the trainer's server still forks, and at the trainer's exit the folder goes without an error."""
+    script = SHARED_TMP_SCRIPT.format(tests=str(TESTS), root=str(corpus.root))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400, cwd=str(ROOT),
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["child"] == 0 and got["forked"] == 0, (got, proc.stderr[-3000:])
+    assert len(got["ours"]) == 1 and got["ours"][0] in got["left"]          # the trainer's socket stayed
+    assert not os.path.exists(got["folder"])                                # removed at the trainer's exit
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

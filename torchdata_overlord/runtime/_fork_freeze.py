@@ -13,16 +13,16 @@ import gc
 import sys
 
 
-def _in_fork_server() -> bool:
-    """Whether this import runs inside ``multiprocessing.forkserver.main`` (its preload loop)."""
+def fork_server_frame():
+    """The frame of ``multiprocessing.forkserver.main`` when this runs inside it (its preload loop), else None."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "main" and frame.f_globals.get("__name__") == "multiprocessing.forkserver":
-            return True
+            return frame
         frame = frame.f_back
-    return False
+    return None
 
 
-if _in_fork_server():
+if fork_server_frame() is not None:
     gc.collect()            # no garbage frozen with the rest (and no holes left in the frozen pages)
     gc.freeze()

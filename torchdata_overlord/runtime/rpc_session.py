@@ -35,6 +35,7 @@ __all__ = ["RpcSession", "open_spawned", "open_joined", "spawn_workers", "exited
 PRELOAD = ["torch", "torch.distributed.rpc", "pyarrow.parquet", W.__name__, "torchdata_overlord.runtime.planner_actor",
            "torchdata_overlord.transforms"]
 _FREEZE = "torchdata_overlord.runtime._fork_freeze"   # imported last: freezes what the others made
+_EXIT = "torchdata_overlord.runtime._fork_server_exit"   # the server removes its socket's folder when it exits
 FIRST_JOB = "0/"
 _ALSO: list[str] = []                         # modules the jobs' transforms asked the fork server to import
 
@@ -95,7 +96,7 @@ def prestart_fork_server() -> None:
     seconds on a small machine, in its own process), so that import overlaps what this process does
     before it spawns the workers: profiling the sources, placing the roles."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD + _ALSO + [_FREEZE])
+    ctx.set_forkserver_preload(PRELOAD + _ALSO + [_FREEZE, _EXIT])
     _ensure_fork_server()
 
 
@@ -105,7 +106,7 @@ def spawn_workers(members: list[tuple[str, int]], rendezvous: dict, rpc_timeout:
     list) is closed or its parent dies. Workers come from the fork server, which preloads torch."""
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD + _ALSO + [_FREEZE])
+        ctx.set_forkserver_preload(PRELOAD + _ALSO + [_FREEZE, _EXIT])
         _ensure_fork_server()
     procs, conns = [], []
     for name, rank in members:
