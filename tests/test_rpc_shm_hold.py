@@ -22,16 +22,7 @@ from torchdata_overlord.runtime import shm
 from torchdata_overlord.runtime.procstats import process_running
 from torchdata_overlord.runtime.wire import HOLD_MIN_BYTES, discard, hold, pack, unpack
 
-
-@pytest.fixture
-def arena(monkeypatch):
-    """This process's own arena, with a pretend peer that shares the host (no RPC group needed)."""
-    shm.reset()
-    shm.set_enabled(True)
-    monkeypatch.setitem(shm._PEERS, "peer", True)
-    yield
-    shm.set_enabled(None)
-    shm.reset()
+from test_rpc_shm import arena  # noqa: F401 (fixture: this process's arena, a pretend peer of the host)
 
 
 def hold_all(record):

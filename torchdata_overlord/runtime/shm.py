@@ -255,14 +255,23 @@ def _arena() -> _Arena:
         return _ARENA[0]
 
 
-def alloc(nbytes: int) -> tuple[ShmRef, np.ndarray] | None:
-    """A region of ``nbytes`` in this process's arena and its reference for a peer; None when full."""
+def _region(nbytes: int, full: str) -> tuple[_Arena, int, np.ndarray] | None:
+    """(this process's arena, the start of a region of ``nbytes`` in it, a uint8 array over its bytes); None
+    when the arena is full, counted under ``full``."""
     a = _arena()
     got = a.alloc(nbytes)
     if got is None:
-        _STATS["fallback_full"] += 1
+        _STATS[full] += 1
         return None
-    start, view = got
+    return a, *got
+
+
+def alloc(nbytes: int) -> tuple[ShmRef, np.ndarray] | None:
+    """A region of ``nbytes`` in this process's arena and its reference for a peer; None when full."""
+    got = _region(nbytes, "fallback_full")
+    if got is None:
+        return None
+    a, start, view = got
     _STATS["sent"] += 1
     _STATS["sent_bytes"] += nbytes
     return ("shm", a.pid, a.fd, a.token, start, nbytes, ()), view
@@ -272,17 +281,11 @@ def hold(nbytes: int) -> tuple[_Arena, int, np.ndarray] | None:
     """A region of ``nbytes`` for a held record (see the module's notes): (the arena, the region's start,
     a uint8 array over its bytes, whose views keep the region until the last of them, and every slot a
     message claimed, is gone). None when the arena is full (or this process does not use shared memory)."""
-    if not enabled():
-        return None
-    a = _arena()
-    got = a.alloc(nbytes)
-    if got is None:
-        _STATS["hold_full"] += 1
-        return None
-    start, view = got
-    weakref.finalize(view, a.free, start)
-    _STATS["held"] += 1
-    return a, start, view
+    got = _region(nbytes, "hold_full") if enabled() else None
+    if got is not None:
+        weakref.finalize(got[2], got[0].free, got[1])
+        _STATS["held"] += 1
+    return got
 
 
 def count_held(regions: int) -> None:
