@@ -149,7 +149,8 @@ def test_finish_is_applied_to_the_samples_the_thread_transformed(files):
             except SourceReadError:
                 pass
         assert [i for i, _ in got] == [i for i, _ in want]
-        assert all(a["n"] == b["n"] and np.array_equal(a["input_ids"], b["input_ids"]) for (_, a), (_, b) in zip(got, want))
+        assert all(a["n"] == b["n"] and np.array_equal(a["input_ids"], b["input_ids"])
+                   for (_, a), (_, b) in zip(got, want))
     finally:
         ahead.close()
         plain.close()

@@ -308,10 +308,10 @@ def hold(record, min_bytes: int = HOLD_MIN_BYTES):
     do). A message then carries such a tensor by place, not by copy (:func:`pack`). ``record`` itself when
     it is not a dict, its tensors hold fewer than ``min_bytes`` bytes, or shared memory is off or full.
 
-    Holding costs the copy a put would make, plus ~20 us of Python per record; it takes the copy off the
-    step (a loader holds ahead of it). That pays for records of images (hundreds of KiB), not for a few
-    KiB of token ids, where the put's copy costs less than the hold's bookkeeping: hence ``min_bytes``
-    (:data:`HOLD_MIN_BYTES` by default; a Source Loader holds with the default)."""
+    Holding costs the copy a put would make, plus tens of microseconds of Python per record; it takes the
+    copy off the step (a loader holds ahead of it). That pays for records of images (hundreds of KiB), not
+    for a few KiB of token ids, where the put's copy costs less than the hold's bookkeeping: hence
+    ``min_bytes`` (:data:`HOLD_MIN_BYTES` by default; a Source Loader holds with the default)."""
     if type(record) is not dict:
         return record
     found: list = []                                    # (key, index in its list or -1, tensor)
