@@ -135,6 +135,22 @@ def test_a_held_region_is_reused_only_once_the_sender_and_every_receiver_let_go(
             gc.enable()
 
 
+def test_each_region_of_a_message_is_freed_on_its_own(arena):
+    """A receiver that keeps one record of a message (a trainer keeping one image) keeps that record's region
+    only: the others' slots are free, and the kept tensor's storage is its record's region, not more."""
+    mine = {i: hold_all(_record(i)) for i in range(3)}
+    got = unpack(*pack(mine, peer="peer"))
+    kept = got[0]["input_ids"]
+    del got
+    words = shm.current().words
+    starts = {i: r["input_ids"]._overlord_place.region // 8 for i, r in mine.items()}
+    slots = {i: words[w:w + 8].tolist() for i, w in starts.items()}
+    assert slots[0][1] == 1 and slots[1][1:] == [0] * 7 and slots[2][1:] == [0] * 7
+    region = mine[0]["input_ids"]._overlord_place
+    assert kept.untyped_storage().nbytes() == region.end - region.first
+    assert torch.equal(kept, _record(0)["input_ids"])
+
+
 def test_randomized_holds_sends_and_drops_never_reuse_a_region_that_is_seen(arena):
     """Random interleavings of holding, sending (to up to three receivers), discarding unsent messages
     and dropping records and views: every record still held anywhere keeps its values."""

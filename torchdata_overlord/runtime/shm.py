@@ -73,8 +73,8 @@ _FEW = 64                       # up to this many regions, alloc frees the free 
 _SWEEP_BYTES = 4 << 20          # to look at); with more (held records), once every 4 MiB allocated or when full
 
 #: what a message carries in place of its buffer: ("shm", pid, fd, token, offset, nbytes, held); offset -1
-#: when every tensor of it is held (no buffer); ``held``: () or (lo, hi, slot words...), the span of the
-#: arena its held tensors lie in and the header words its receiver frees
+#: when every tensor of it is held (no buffer); ``held``: per held region it refers to, (first byte, end,
+#: slot word): the region's bytes and the header word its receiver's views of them free
 ShmRef = tuple
 
 
@@ -311,7 +311,7 @@ def free(ref: ShmRef) -> None:
     if a is not None and ref[1] == a.pid and ref[2] == a.fd and ref[3] == a.token:
         if ref[4] >= 0:
             a.free(ref[4])
-        for w in ref[6][2:]:
+        for _, _, w in ref[6]:
             a.words[w] = _FREE
 
 
@@ -329,28 +329,27 @@ def _attach(pid: int, fd: int, token: str) -> _Attached:
         return got
 
 
-def _release(states: np.ndarray, words) -> None:
-    states[words] = _FREE
+def _release(states: np.ndarray, word: int) -> None:
+    states[word] = _FREE
     _STATS["freed"] += 1
 
 
-def receive(ref: ShmRef) -> tuple[np.ndarray | None, np.ndarray | None]:
+def receive(ref: ShmRef) -> tuple[np.ndarray | None, list[np.ndarray]]:
     """What message ``ref`` names: its buffer, as a uint8 array whose views (and tensors made of them)
-    free the region once the last of them is gone, and, when it carries held tensors, the span of the
-    sender's arena they lie in, as a uint8 array whose views free the message's slots so (None for
-    either it lacks)."""
+    free the region once the last of them is gone (None without one), and a uint8 array over each held
+    region of the sender's it refers to, whose views free that region's slot so."""
     _, pid, fd, token, start, nbytes, held = ref
     peer = _attach(int(pid), int(fd), str(token))
-    buf = whole = None
+    buf = None
     if start >= 0:
         buf = np.frombuffer(peer.mm, np.uint8, count=int(nbytes), offset=int(start) + _HEAD)
         weakref.finalize(buf, _release, peer.states, int(start) // 8)
-    if held:
-        lo, hi, *slots = held
-        whole = np.frombuffer(peer.mm, np.uint8, count=int(hi) - int(lo), offset=int(lo))
-        weakref.finalize(whole, _release, peer.states, [int(w) for w in slots])
+    regions = []
+    for first, end, slot in held:
+        regions.append(np.frombuffer(peer.mm, np.uint8, count=int(end) - int(first), offset=int(first)))
+        weakref.finalize(regions[-1], _release, peer.states, int(slot))
     _STATS["received"] += 1
-    return buf, whole
+    return buf, regions
 
 
 def _probe(pid: int, fd: int, token: str) -> bool:

@@ -91,115 +91,55 @@ def _received_group(index: int) -> list[torch.Tensor]:
 
 
 class _Place:
-    """Where :func:`hold` put a tensor: its region of this process's arena, its first element (counted from
-    the arena's start) and its elements, and the shape and strides to view them with."""
+    """Where :func:`hold` put a tensor: its region of this process's arena (where the region's bytes start and
+    end, from the arena's start), its first element counted from there, and its shape and strides."""
 
-    __slots__ = ("arena", "region", "ptr", "shape", "stride", "name", "lo", "hi", "offset", "numel", "fix")
+    __slots__ = ("arena", "region", "first", "end", "ptr", "shape", "stride", "args")
 
-    def __init__(self, arena, region: int, t: torch.Tensor, name: str, at: int):
-        self.arena, self.region, self.ptr, self.name = arena, region, t.data_ptr(), name
+    def __init__(self, arena, region: int, first: int, end: int, t: torch.Tensor, name: str, at: int):
+        self.arena, self.region, self.first, self.end, self.ptr = arena, region, first, end, t.data_ptr()
         self.shape, self.stride = t.shape, t.stride()
-        self.lo, self.hi = at, at + t.nbytes                 # its block (all its elements), in bytes
-        self.offset, self.numel = at // t.element_size(), t.numel()
-        self.fix = None if t.dim() == 1 and t.is_contiguous() else (tuple(t.shape), t.stride())
+        self.args = (name, (at - first) // t.element_size(), tuple(t.shape), t.stride())
 
 
-class _HeldGroup:
-    """A message's held tensors of one dtype, as the receiver cuts them out of the span of the sender's arena
-    they lie in: one ``split_with_sizes`` of elements ``start:at`` (gaps as pieces of their own, laid out as
-    the tensors come, in rising places), the piece each tensor is (``where``), and a view of its own for a
-    tensor whose place is below the last one's end (``loose``: index, first element, elements)."""
-
-    __slots__ = ("index", "name", "start", "at", "sizes", "where", "loose", "fixes")
-
-    def __init__(self, index: int, name: str, start: int):
-        self.index, self.name, self.start, self.at = index, name, start, start
-        self.sizes: list[int] = []
-        self.where: list[int] = []
-        self.loose: list[tuple[int, int, int]] = []
-        self.fixes: list[tuple[int, tuple, tuple]] = []
-
-    def add(self, h: "_Place") -> int:
-        i = len(self.where)
-        if h.offset >= self.at:
-            if h.offset > self.at:
-                self.sizes.append(h.offset - self.at)
-            self.where.append(len(self.sizes))
-            self.sizes.append(h.numel)
-            self.at = h.offset + h.numel
-        else:
-            self.where.append(-1)
-            self.loose.append((i, h.offset, h.numel))
-        if h.fix is not None:
-            self.fixes.append((i, *h.fix))
-        return i
-
-    def __reduce__(self):
-        return _received_held, (self.index,)
-
-
-def _received_held(index: int) -> list[torch.Tensor]:
-    """A held group's tensors in the message being unpacked (cut out before its pickle is read)."""
-    return _LOCAL.held[index]
+def _held_tensor(region: int, name: str, offset: int, shape: tuple, stride: tuple) -> torch.Tensor:
+    """A held tensor of the message being unpacked: a view of its region of the sender's arena (one storage per
+    region and dtype, so that torch.save writes that record's region, not more)."""
+    regions, views = _LOCAL.held
+    v = views.get((region, name))
+    if v is None:
+        v = views[region, name] = torch.from_numpy(regions[region]).view(getattr(torch, name))
+    return v.as_strided(shape, stride, offset)
 
 
 class _Held:
-    """A message's held tensors (:func:`hold`), by dtype; per region they lie in, one slot claimed (the
-    receiver frees it); and the span of the arena they lie in (the receiver's views are of that span)."""
+    """A message's held tensors (:func:`hold`): the regions they lie in, and per region one slot claimed, which
+    the receiver's views of that region free (each region on its own)."""
 
-    __slots__ = ("arena", "groups", "slots", "first", "end")
+    __slots__ = ("arena", "regions")
 
     def __init__(self, arena):
         self.arena = arena
-        self.groups: dict[str, _HeldGroup] = {}
-        self.slots: dict[int, int] = {}                      # region start -> the slot word claimed for it
-        self.first, self.end = arena.size, 0                 # the span, in bytes from the arena's start
+        self.regions: dict[int, tuple[int, int, int, int]] = {}    # region start -> (index, first, end, slot word)
 
     def place(self, t: torch.Tensor, h: _Place):
         """``t`` pickled as its place (``h``), or None (it is copied): ``t`` moved since (``set_``, an in-place
         resize), another group's arena, or its region's slots all taken."""
         if h.arena is not self.arena or t.data_ptr() != h.ptr or t.shape != h.shape or t.stride() != h.stride:
             return None
-        if h.region not in self.slots:
+        got = self.regions.get(h.region)
+        if got is None:
             slot = self.arena.claim(h.region)
             if slot is None:
                 return None
-            self.slots[h.region] = slot
-        if h.lo < self.first:
-            self.first = h.lo
-        if h.hi > self.end:
-            self.end = h.hi
-        g = self.groups.get(h.name)
-        if g is None:
-            g = self.groups[h.name] = _HeldGroup(len(self.groups), h.name, h.offset)
-        return operator.getitem, (g, g.add(h))
-
-    def layout(self) -> list:
-        """What the receiver's :func:`_cut_held` needs of each group."""
-        return [(g.name, g.start, g.sizes, g.where, g.loose, g.fixes) for g in self.groups.values()]
+            got = self.regions[h.region] = (len(self.regions), h.first, h.end, slot)
+        return _held_tensor, (got[0], *h.args)
 
     def ref(self, start: int = -1, nbytes: int = 0) -> tuple:
-        """The message's :data:`.shm.ShmRef`: its buffer's region (``start`` -1: none), the span and the slots."""
-        a, lo = self.arena, self.first - self.first % 64
-        hi = min(a.size, -(-self.end // 64) * 64)
-        return "shm", a.pid, a.fd, a.token, start, nbytes, (lo, hi, *self.slots.values())
-
-
-def _cut_held(whole, lo: int, layout: list) -> list[list[torch.Tensor]]:
-    """Each held group's tensors, as views of ``whole`` (the span of the sender's arena from byte ``lo``)."""
-    groups = []
-    for name, start, sizes, where, loose, fixes in layout:
-        span = torch.from_numpy(whole).view(getattr(torch, name))
-        start -= lo // span.element_size()
-        pieces = span[start:start + sum(sizes)].split_with_sizes(sizes)
-        got = [pieces[w] for w in where]
-        for i, first, n in loose:
-            first -= lo // span.element_size()
-            got[i] = span[first:first + n]
-        for i, shape, stride in fixes:
-            got[i] = got[i].as_strided(shape, stride)
-        groups.append(got)
-    return groups
+        """The message's :data:`.shm.ShmRef`: its buffer's region (``start`` -1: none), and per held region
+        its bytes and the slot its receiver frees."""
+        a = self.arena
+        return "shm", a.pid, a.fd, a.token, start, nbytes, tuple((f, e, s) for _, f, e, s in self.regions.values())
 
 
 class _Packer(pickle.Pickler):
@@ -253,25 +193,24 @@ def pack(obj, peer: str | None = None) -> tuple[bytes, torch.Tensor | tuple | No
     ``peer`` (the RPC worker it goes to), the buffer goes into this process's shared memory when
     ``peer`` shares the host (:func:`.shm.peer_ready`), and its reference takes the tensor's place;
     held tensors (:func:`hold`) are then not copied, the reference names their places' slots.
-    With a buffer or held tensors, the pickle is two: where each dtype's tensors lie (in the buffer, and
-    in the sender's arena), then ``obj``."""
+    With a buffer or held tensors, the pickle is two: where each dtype's tensors lie in the buffer, then
+    ``obj``."""
     near = peer is not None and shm.peer_ready(peer)
     arena = shm.current() if near else None
     held = _Held(arena) if arena is not None else None
     f = io.BytesIO()
     p = _Packer(f, held)
     p.dump(obj)
-    slots = held is not None and bool(held.slots)
+    slots = held is not None and bool(held.regions)
     if not p.groups and not slots:
         return f.getvalue(), None
     layout, size = [], 0
     for g in p.groups.values():
         layout.append((g.name, size, g.nbytes, g.sizes, g.fixes))
         size += g.nbytes
-    head = (layout, held.layout() if slots else [])
     if not p.groups:                            # every tensor held: no buffer at all
-        shm.count_held(len(held.slots))
-        return pickle.dumps(head, pickle.HIGHEST_PROTOCOL) + f.getvalue(), held.ref()
+        shm.count_held(len(held.regions))
+        return pickle.dumps(layout, pickle.HIGHEST_PROTOCOL) + f.getvalue(), held.ref()
     got = shm.alloc(size) if near else None
     if got is None:
         if slots:                               # a full arena: the held tensors are copied too, into a tensor
@@ -284,13 +223,13 @@ def pack(obj, peer: str | None = None) -> tuple[bytes, torch.Tensor | tuple | No
         base = region.ctypes.data
         if slots:
             out = held.ref(out[4], out[5])
-            shm.count_held(len(held.slots))
+            shm.count_held(len(held.regions))
     memmove = ctypes.memmove                    # (each part is a CPU tensor that pack holds until copied)
     for (_, start, *_), g in zip(layout, p.groups.values()):
         for offset, nbytes, t in g.parts:       # its bytes: one block from data_ptr() on (strides are >= 0)
             if nbytes:
                 memmove(base + start + offset, t.data_ptr(), nbytes)
-    return pickle.dumps(head, pickle.HIGHEST_PROTOCOL) + f.getvalue(), out
+    return pickle.dumps(layout, pickle.HIGHEST_PROTOCOL) + f.getvalue(), out
 
 
 def _holdable(t) -> bool:
@@ -334,7 +273,8 @@ def hold(record, min_bytes: int = HOLD_MIN_BYTES):
         return record
     arena, region, view = got
     base, memmove, whole = view.ctypes.data, ctypes.memmove, torch.from_numpy(view)
-    first = region + shm.HEADER                         # the region's first byte, from the arena's start
+    first = region + shm.HEADER                         # the region's bytes, from the arena's start
+    end = first + len(view)
     out, seqs = dict(record), {}
     for (k, j, t), at in zip(found, offsets):
         n = t.nbytes
@@ -342,7 +282,7 @@ def hold(record, min_bytes: int = HOLD_MIN_BYTES):
         m = whole[at:at + n].view(t.dtype)
         if t.dim() != 1 or not t.is_contiguous():
             m = m.as_strided(t.shape, t.stride())
-        setattr(m, _PLACE, _Place(arena, region, m, _DTYPES[t.dtype][0], first + at))
+        setattr(m, _PLACE, _Place(arena, region, first, end, m, _DTYPES[t.dtype][0], first + at))
         if j < 0:
             out[k] = m
         else:
@@ -364,11 +304,11 @@ def unpack(data: bytes, buffer: torch.Tensor | tuple | None):
     if buffer is None:
         return pickle.loads(data)
     f = io.BytesIO(data)
-    layout, held = pickle.load(f)
+    layout = pickle.load(f)
     # each dtype's tensors are views of one storage of their own (torch.save refuses a storage viewed as
     # several types), made over the buffer's bytes: with a shared-memory region, every one keeps alive the
     # numpy array whose finalizer frees the region once the last view is gone
-    raw, whole = shm.receive(buffer) if isinstance(buffer, tuple) else (buffer.numpy(), None)
+    raw, regions = shm.receive(buffer) if isinstance(buffer, tuple) else (buffer.numpy(), ())
     groups = []
     for name, start, nbytes, sizes, fixes in layout:
         dtype = getattr(torch, name)
@@ -379,9 +319,8 @@ def unpack(data: bytes, buffer: torch.Tensor | tuple | None):
             for i, shape, stride in fixes:             # the piece's offset, the tensor's shape and strides
                 pieces[i] = pieces[i].as_strided(shape, stride)
         groups.append(pieces)
-    held = _cut_held(whole, buffer[6][0], held) if held else None
     previous = getattr(_LOCAL, "groups", None), getattr(_LOCAL, "held", None)
-    _LOCAL.groups, _LOCAL.held = groups, held
+    _LOCAL.groups, _LOCAL.held = groups, ((regions, {}) if regions else None)
     try:
         return pickle.load(f)
     finally:
