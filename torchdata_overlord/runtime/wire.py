@@ -201,8 +201,8 @@ def pack(obj, peer: str | None = None) -> tuple[bytes, torch.Tensor | tuple | No
     f = io.BytesIO()
     p = _Packer(f, held)
     p.dump(obj)
-    slots = held is not None and bool(held.regions)
-    if not p.groups and not slots:
+    by_place = held is not None and bool(held.regions)
+    if not p.groups and not by_place:
         return f.getvalue(), None
     layout, size = [], 0
     for g in p.groups.values():
@@ -213,7 +213,7 @@ def pack(obj, peer: str | None = None) -> tuple[bytes, torch.Tensor | tuple | No
         return pickle.dumps(layout, pickle.HIGHEST_PROTOCOL) + f.getvalue(), held.ref()
     got = shm.alloc(size) if near else None
     if got is None:
-        if slots:                               # a full arena: the held tensors are copied too, into a tensor
+        if by_place:                            # a full arena: the held tensors are copied too, into a tensor
             shm.free(held.ref())
             return pack(obj)
         out = torch.empty(size, dtype=torch.uint8)
@@ -221,7 +221,7 @@ def pack(obj, peer: str | None = None) -> tuple[bytes, torch.Tensor | tuple | No
     else:
         out, region = got
         base = region.ctypes.data
-        if slots:
+        if by_place:
             out = held.ref(out[4], out[5])
             shm.count_held(len(held.regions))
     memmove = ctypes.memmove                    # (each part is a CPU tensor that pack holds until copied)
