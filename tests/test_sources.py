@@ -326,3 +326,19 @@ def test_a_read_error_while_refilling_fails_the_next_step_not_the_one_delivered(
         assert [len(s) for s in got["steps"]] == [4, 4], got
         assert sorted(k for s in got["steps"] for k in s) == sorted(f"n:{i}" for i in range(8))
         assert "SourceReadError" in got["error"] and "item 10" in got["error"] and "disk gone" in got["error"], got
+
+
+def test_record_bytes_counts_tensor_storage_strings_and_eight_per_other_leaf():
+    """What a loader reports as bytes sent: tensors by their bytes, strings and bytes by length, 8 per other
+    leaf, summed through dicts, lists and tuples (the text record's inline path and the general one agree)."""
+    from torchdata_overlord.roles.source_loader import record_bytes
+
+    ids = torch.arange(37, dtype=torch.int64)                 # 296 bytes
+    px = torch.zeros(3, 5, 7, dtype=torch.uint8)              # 105 bytes
+    text = {"input_ids": ids, "tokens": 37, "truncated": False, "weight": 0.5}
+    assert record_bytes(text) == 296 + 3 * 8
+    image = {**text, "pixels": px, "grid": (2, 3), "image_patches": [6], "caption": "a cat", "raw": b"\x00" * 9,
+             "extra": {"mask": torch.ones(4, dtype=torch.bool), "none": None}}
+    assert record_bytes(image) == 296 + 3 * 8 + 105 + 2 * 8 + 8 + 5 + 9 + 4 + 8
+    assert record_bytes([text, (ids, "ab")]) == record_bytes(text) + 296 + 2
+    assert record_bytes(ids) == 296 and record_bytes(7) == 8 and record_bytes("abc") == 3
