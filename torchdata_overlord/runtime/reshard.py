@@ -49,6 +49,12 @@ class Aborted(RuntimeError):
     """A pending reshard was given up before its actors all started."""
 
 
+def _actor_cores(cores: dict, source: str, actors: int) -> float:
+    """Estimated cores of one of ``actors`` loader actors of ``source`` (its share of the source's, by
+    :meth:`~torchdata_overlord.scaling.AutoScaler.cores`)."""
+    return cores["sources"].get(source, 0.0) / actors
+
+
 def _hosts(r, parts, count: int, each: float, retiring: list[str], busy: list[tuple], cores: dict) -> list:
     """A role process for each of ``count`` new actors of ``each`` estimated cores: the process whose
     serving actors have the least estimated load first, then the one with the fewest of them. Serving:
@@ -61,7 +67,7 @@ def _hosts(r, parts, count: int, each: float, retiring: list[str], busy: list[tu
         return [None] * count
     spares = set(r.policy.spares)
     load = {w: [0.0, 0] for w in sorted(set(placement.values()) - spares)}
-    per_loader = {s: cores["sources"].get(s, 0.0) / n for s, n in parts.counts.items()}
+    per_loader = {s: _actor_cores(cores, s, n) for s, n in parts.counts.items()}
     serving = [(placement.get(name), per_loader[parts.source_of(key)]) for key, name in r.active.items()
                if key not in retiring]
     serving += [(placement.get(name), cores["constructor"]) for name in r.constructor_names]
@@ -154,8 +160,8 @@ class Resharding:
         # the other pending reshards' actors count where they will serve, not where they serve now
         retiring = old + [key for s in self.pending for key in job.parts.by_source[s]]
         cores = job.autoscaler.cores()          # only an active scaler's decisions start reshards
-        busy = [(h, cores["sources"].get(p.source, 0.0) / p.k) for p in self.pending.values() for h in p.hosts.values()]
-        each = cores["sources"].get(source, 0.0) / actors
+        busy = [(h, _actor_cores(cores, p.source, p.k)) for p in self.pending.values() for h in p.hosts.values()]
+        each = _actor_cores(cores, source, actors)
         hosts = dict(zip(keys, _hosts(r, job.parts, actors, each, retiring, busy, cores)))
         names = {key: r.new_name(loader_actor(key)) for key in keys}
         a = r.policy.loader_args[source]
