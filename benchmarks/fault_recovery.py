@@ -9,8 +9,8 @@ waited. Scenarios:
 * ``planner_p2`` / ``planner_p4``: the Planner killed (SIGKILL) every 15 steps from step 5, prefetch 2
   vs 4: each kill makes the trainer's client start a new Planner on a spare, which restores from the
   checkpoint store and rewinds the roles;
-* ``loaders_p2``: 10 sources (4 with ``--quick``), half of their loaders killed at once at step 35:
-  shadows are promoted;
+* ``loaders_p2``: 10 sources (2 with ``--quick``, where the 2-source failure-free run is its reference too),
+  half of their loaders killed at once at step 35: shadows are promoted;
 * ``shadows_on`` / ``shadows_off``: no failures, as many sources: the memory (PSS) and CPU time of the
   shadow processes against all role processes.
 
@@ -102,11 +102,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from torchdata_overlord.sim.corpus import build_demo_corpus, default_corpus_root
+    from torchdata_overlord.sim.fault_run import source_names
     root = args.root or default_corpus_root().parent / "demo-corpus-test"
     build_demo_corpus(root, scale="test", seed=0)
     t_all = time.perf_counter()
     steps = 16 if args.quick else 100
-    many = 4 if args.quick else 10          # sources of the many-source scenarios (each loader a process)
+    many = 2 if args.quick else 10          # sources of the many-source scenarios (each loader a process)
     every, first = (8, 4) if args.quick else (15, 5)
     planner_kills = list(range(first, steps - 2, every))
     loader_kill = 8 if args.quick else 35
@@ -118,9 +119,13 @@ def main(argv=None) -> int:
                             faults=[{"step": k, "kill": ["planner"]} for k in planner_kills]), planner_kills),
         "planner_p4": (dict(base, sources=2, spares=len(planner_kills) + 1, prefetch=4,
                             faults=[{"step": k, "kill": ["planner"]} for k in planner_kills]), planner_kills),
-        f"no_failure_{many}": (dict(base, sources=many, spares=1, prefetch=2), []),
+    }
+    # the many-source reference (with --quick, many == 2: the run above)
+    scenarios.setdefault(f"no_failure_{many}", (dict(base, sources=many, spares=1, prefetch=2), []))
+    scenarios |= {
         "loaders_p2": (dict(base, sources=many, spares=many // 2 + 1, prefetch=2,
-                            faults=[{"step": loader_kill, "kill": [f"loader:s{i}" for i in range(many // 2)]}]),
+                            faults=[{"step": loader_kill,
+                                     "kill": [f"loader:{n}" for n in source_names(many)[:many // 2]]}]),
                        [loader_kill]),
         "shadows_off": (dict(base, sources=many, spares=0, prefetch=2, shadows=False, steps=min(steps, 30)), []),
     }

@@ -45,6 +45,11 @@ class Strategy:
                 .balance("greedy", microbatches=2, max_tokens=4096, oversize="split"))
 
 
+def source_names(n: int) -> list[str]:
+    """The names of an ``n``-source run's sources (their loaders are ``loader:<name>``)."""
+    return ["web", "caps"] if n == 2 else [f"s{i}" for i in range(n)]
+
+
 def make_sources(corpus, n: int) -> list:
     def one(name, kind, seed):
         if kind == "caps":
@@ -52,10 +57,8 @@ def make_sources(corpus, n: int) -> list:
         else:
             t = Tokenize(corpus.spm_model, field=corpus.text_fields[kind])
         return ParquetSource(name, corpus.sources[kind], t, seed=seed)
-    if n == 2:
-        return [one("web", "web", 0), one("caps", "caps", 0)]
-    kinds = ["web", "code", "long", "caps"]
-    return [one(f"s{i}", kinds[i % 4], i) for i in range(n)]
+    kinds = ["web", "caps"] if n == 2 else ["web", "code", "long", "caps"]
+    return [one(name, kinds[i % len(kinds)], 0 if n == 2 else i) for i, name in enumerate(source_names(n))]
 
 
 def digest(x, h=None):
