@@ -57,8 +57,11 @@ def make_sources(corpus, n: int) -> list:
         else:
             t = Tokenize(corpus.spm_model, field=corpus.text_fields[kind])
         return ParquetSource(name, corpus.sources[kind], t, seed=seed)
-    kinds = ["web", "caps"] if n == 2 else ["web", "code", "long", "caps"]
-    return [one(name, kinds[i % len(kinds)], 0 if n == 2 else i) for i, name in enumerate(source_names(n))]
+    names = source_names(n)
+    if n == 2:
+        return [one(name, name, 0) for name in names]           # web and caps themselves
+    kinds = ["web", "code", "long", "caps"]
+    return [one(name, kinds[i % 4], i) for i, name in enumerate(names)]
 
 
 def digest(x, h=None):
