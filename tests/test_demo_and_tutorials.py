@@ -28,15 +28,16 @@ def test_demo_runs_on_real_files_and_balances(capsys, tmp_path):
         assert name in text
 
 
-def test_demo_rejects_a_malformed_mesh():
+def test_demo_rejects_a_malformed_mesh_before_building_the_corpus(tmp_path):
     from torchdata_overlord import demo
 
     try:
-        demo.main(["--mesh", "pp2,dp=4"])
+        demo.main(["--mesh", "pp2,dp=4", "--data", str(tmp_path / "data")])
     except SystemExit as e:
         assert "--mesh" in str(e)
     else:
         raise AssertionError("a malformed --mesh must be refused")
+    assert not (tmp_path / "data").exists()     # refused at once, not after a corpus build
 
 
 def test_zigzag_tutorial_registers_a_working_balancer():

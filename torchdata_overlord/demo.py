@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "torch.distributed.rpc")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    mesh = parse_mesh(args.mesh)            # a bad --mesh is refused before the corpus is built
+    mesh.attach("encoder", dp=mesh.world_size)
 
     data = args.data or default_data_dir()
     t0 = time.perf_counter()
@@ -140,8 +142,6 @@ def main(argv: list[str] | None = None) -> dict:
     rows = {k: v["rows"] for k, v in corpus.manifest.get("sources", {}).items()} if isinstance(
         corpus.manifest.get("sources"), dict) else {}
     print(f"corpus: {corpus.root} ({time.perf_counter() - t0:.1f} s; rows {rows or 'see manifest.json'})")
-    mesh = parse_mesh(args.mesh)
-    mesh.attach("encoder", dp=mesh.world_size)
     print(f"mesh {mesh.describe()} ({mesh.world_size} ranks, every rank simulated here, runtime {args.runtime}), global batch "
           f"{args.global_batch}, {args.microbatches} microbatches of <= {args.max_tokens} tokens, {args.method}")
     sources = [corpus.source(name, seed=args.seed) for name in ("web", "code", "long", "caps")]
