@@ -330,7 +330,7 @@ def test_a_read_error_while_refilling_fails_the_next_step_not_the_one_delivered(
 
 def test_record_bytes_counts_tensor_storage_strings_and_eight_per_other_leaf():
     """What a loader reports as bytes sent: tensors by their bytes, strings and bytes by length, 8 per other
-    leaf, summed through dicts, lists and tuples (the text record's inline path and the general one agree)."""
+    leaf, summed through dicts, lists and tuples."""
     from torchdata_overlord.roles.source_loader import record_bytes
 
     ids = torch.arange(37, dtype=torch.int64)                 # 296 bytes
