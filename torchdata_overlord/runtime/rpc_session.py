@@ -77,8 +77,10 @@ def _socket_safe_tempdir() -> None:
 
 
 def _ensure_fork_server() -> None:
-    """Start the fork server if it is not running (its socket in a folder short enough, see above)."""
+    """Start the fork server if it is not running (its socket in a folder short enough, see above), with
+    :data:`PRELOAD`, the transforms' modules, then the freeze and the exit clean-up as its preloads."""
     from multiprocessing import forkserver, process
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD + _ALSO + [_FREEZE, _EXIT])
     _socket_safe_tempdir()
     try:
         forkserver.ensure_running()
@@ -95,8 +97,6 @@ def prestart_fork_server() -> None:
     """Start the fork server now (it returns at once; the server imports :data:`PRELOAD`, mostly torch,
     seconds on a small machine, in its own process), so that import overlaps what this process does
     before it spawns the workers: profiling the sources, placing the roles."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD + _ALSO + [_FREEZE, _EXIT])
     _ensure_fork_server()
 
 
@@ -106,7 +106,6 @@ def spawn_workers(members: list[tuple[str, int]], rendezvous: dict, rpc_timeout:
     list) is closed or its parent dies. Workers come from the fork server, which preloads torch."""
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD + _ALSO + [_FREEZE, _EXIT])
         _ensure_fork_server()
     procs, conns = [], []
     for name, rank in members:
