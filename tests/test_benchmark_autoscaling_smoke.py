@@ -28,7 +28,15 @@ def test_autoscaling_quick_measures_every_configuration(tmp_path):
         assert r["cpu_s"] >= r["cpu_s_measured_steps"] > 0 and r["cpu_by_process"]
         assert r["pss_mib"]["peak"] >= r["pss_mib"]["steady"] > 0
         assert all(len(a) == steps for a in r["actors"].values())
-        assert r["parts_sampled"][-1]["parts"] == {s: a[-1] for s, a in r["actors"].items()}
+        # parts are sampled after the last step; the Planner plans ahead, so a reshard serving from a later
+        # step may show in that sample already (it did here once: image 2 -> 3 from step 61 of 60)
+        want = {s: a[-1] for s, a in r["actors"].items()}
+        seen = [dict(want)]
+        for x in r["reshards"]:
+            if x["ok"] and x["step"] >= steps:
+                want[x["source"]] = x["to"]
+                seen.append(dict(want))
+        assert r["parts_sampled"][-1]["parts"] in seen, (r["parts_sampled"][-1], seen)
         placed = data["placements"]["worst" if name == "static_worst" else "start"]["processes"]
         if name == "autoscale":     # a reshard may leave a role process without actors (the benchmark's
             assert 1 <= r["processes"] <= placed    # observations say so): whether one does depends on timings
