@@ -180,3 +180,69 @@ def test_a_module_no_new_process_can_import_is_refused(tmp_path, monkeypatch):
     pickle.dumps(mod.strategy)                         # it pickles here...
     with pytest.raises(ol.ConfigError, match=r"module 'made_in_memory', which a new process cannot import"):
         check_loadable(mod.strategy, "the strategy")   # ...but a role process could not import it
+
+
+# ---- a script that builds its loader outside the guard -------------------------------------------------------
+
+UNGUARDED = SCRIPT.split("\n\ndef attempt")[0] + '''
+
+with ol.OverlordLoader([ParquetSource("s", sys.argv[1], ModuleTransform(), seed=1)], module_strategy,
+                       ol.ClientPlaceTree(dp=1), rank=0, global_batch=2, seq_len=None, runtime="rpc", n_workers=1,
+                       startup_timeout=60, timeout=60) as loader:
+    next(loader)
+'''
+
+
+@pytest.mark.slow
+def test_a_script_that_builds_its_loader_outside_the_guard_is_refused_before_any_role_starts(tmp_path):
+    pq.write_table(pa.table({"n": list(range(8))}), tmp_path / "s.parquet")
+    script = tmp_path / "train.py"
+    script.write_text(UNGUARDED)
+    line = UNGUARDED.splitlines().index(next(x for x in UNGUARDED.splitlines() if x.startswith("with "))) + 1
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "s.parquet")], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("torchdata_overlord.errors.ConfigError: OverlordLoader(runtime='rpc') is started at the "
+                           f"top level of {script} (line {line}), outside `if __name__ == \"__main__\":`"), last
+    assert "put the code that builds and runs the loader under that guard" in last
+    assert "overlord-actors" not in proc.stderr          # refused in the trainer: no role process was started
+
+
+def test_only_the_scripts_top_level_outside_the_guard_is_refused(tmp_path, monkeypatch):
+    from torchdata_overlord.runtime.loadable import check_main_guarded
+
+    source = textwrap.dedent('''
+        from torchdata_overlord.runtime.loadable import check_main_guarded
+
+        def build():
+            check_main_guarded("building")
+
+        if __name__ == "__main__":
+            build()                           # guarded: fine
+            exec("build()")                   # code exec'd under the guard: the guarded line counts
+        build()
+    ''')
+    path = tmp_path / "script.py"
+    path.write_text(source)
+    mod = types.ModuleType("__main__")
+    mod.__file__ = str(path)
+    monkeypatch.setitem(sys.modules, "__main__", mod)
+    with pytest.raises(ol.ConfigError, match=rf"building is started at the top level of {path} \(line 10\)"):
+        exec(compile(source, str(path), "exec"), mod.__dict__)
+    check_main_guarded("building")            # not called from the script's top level: nothing to say
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+    check_main_guarded("building")            # an interactive __main__: nothing to tell
+
+
+def test_a_role_process_importing_the_main_script_refuses_to_start_roles(monkeypatch):
+    """What a role process says if a loader is still built while it imports the main module (the check
+    above could not see it): its own clear error, not multiprocessing's bootstrapping one."""
+    import multiprocessing
+
+    from torchdata_overlord.runtime import rpc_session
+
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    with pytest.raises(ol.ConfigError, match=r"while a role process was importing the main module.*under "
+                                             r"`if __name__ == \"__main__\":`"):
+        rpc_session.prestart_fork_server()

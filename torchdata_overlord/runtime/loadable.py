@@ -6,7 +6,9 @@ script the way ``multiprocessing`` does: under another name, without running its
 ``if __name__ == "__main__":`` block. So a strategy defined in that block pickles fine here and
 then fails there, deep in a nested RPC traceback. This module finds every function and class the
 pickle refers to (one pickling pass, no new interpreter) and reads the main script's syntax tree
-to see whether each ``__main__`` name is bound outside the guard.
+to see whether each ``__main__`` name is bound outside the guard. For the same reason a script must build
+its rpc loader under that guard: :func:`check_main_guarded` says so before anything starts (else every role
+process would build one as it imports the script).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from functools import lru_cache
 
 from ..errors import ConfigError
 
-__all__ = ["check_loadable"]
+__all__ = ["check_loadable", "check_main_guarded"]
 
 
 class _RefPickler(pickle.Pickler):
@@ -55,6 +57,51 @@ def check_loadable(obj, what: str) -> None:
             raise ConfigError(f"runtime='rpc' cannot send {what} to its role processes: {problem}")
 
 
+def check_main_guarded(what: str) -> None:
+    """Raise :class:`ConfigError` when this call comes from the main script's top level outside its
+    ``if __name__ == "__main__":`` block: role processes import that script, so each would run ``what``
+    again (and multiprocessing refuses to start processes then). Nothing to check without a script file,
+    or when the call is not made from the script's top level (a thread, a function it calls under the guard
+    is fine: the top level then stands on the guarded line that called it)."""
+    main = sys.modules.get("__main__")
+    path = _main_path(main)
+    if path is None:
+        return
+    frame = sys._getframe(1)
+    top, where = vars(main), os.path.abspath(path)
+    while frame is not None and not (frame.f_globals is top and frame.f_code.co_name == "<module>"
+                                     and os.path.abspath(frame.f_code.co_filename) == where):   # (not exec'd code)
+        frame = frame.f_back
+    if frame is None:
+        return
+    line = frame.f_lineno
+    guarded = _guarded_lines(path, os.stat(path).st_mtime_ns)
+    if guarded is not None and not any(a <= line <= b for a, b in guarded):
+        raise ConfigError(f"{what} is started at the top level of {path} (line {line}), outside "
+                          f"`if __name__ == \"__main__\":`; its role processes import that script, so each would "
+                          f"start one too: put the code that builds and runs the loader under that guard (keep the "
+                          f"strategy and transform definitions at module level)")
+
+
+def _main_path(main) -> str | None:
+    """The file of the main module (None: interactive, or none on disk)."""
+    spec = getattr(main, "__spec__", None)
+    path = getattr(spec, "origin", None) or getattr(main, "__file__", None)
+    return path if path and os.path.isfile(path) else None
+
+
+@lru_cache(maxsize=8)
+def _guarded_lines(path: str, mtime_ns: int) -> list[tuple[int, int]] | None:
+    """The line ranges of a script's ``if __name__ == "__main__":`` bodies (None: its source does not parse)."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    return [(node.body[0].lineno, node.body[-1].end_lineno) for node in ast.walk(tree)
+            if isinstance(node, ast.If) and _is_main_guard(node.test)]
+
+
 def _unloadable(module: str | None, qualname: str) -> str | None:
     """Why a fresh role process could not find ``module.qualname`` (None: it can, or we cannot tell)."""
     if module is None:
@@ -73,11 +120,9 @@ def _unloadable(module: str | None, qualname: str) -> str | None:
             return (f"`{qualname}` comes from module {module!r}, which a new process cannot import ({why}); "
                     f"define it in an importable module")
         return None
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    path = getattr(spec, "origin", None) or getattr(main, "__file__", None)
+    path = _main_path(sys.modules.get("__main__"))
     top = qualname.split(".")[0]
-    if not path or not os.path.isfile(path):
+    if path is None:
         return (f"`{qualname}` is defined in an interactive `__main__` (no file), which role processes cannot "
                 f"import; move `{top}` into a .py module and import it from there")
     outside, guarded = _main_names(path, os.stat(path).st_mtime_ns)

@@ -82,7 +82,9 @@ class RpcJob(Job):
         sources = list(sources)
         starts_roles = transport is None and address is None and self._rank(group) == 0
         if starts_roles:
+            from .loadable import check_main_guarded
             from .rpc_session import preload_also, prestart_fork_server
+            check_main_guarded("OverlordLoader(runtime='rpc')")
             preload_also(m for s in sources for m in getattr(getattr(s, "transform", None), "preload", ()))
             prestart_fork_server()          # its torch import overlaps the profiling and placement below
         plan, workers = self._placement(placement, sources, strategy, mesh, global_batch, seed, constructors,

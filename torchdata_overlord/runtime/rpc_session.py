@@ -76,10 +76,18 @@ def _socket_safe_tempdir() -> None:
     config["tempdir"] = folder
 
 
+_UNGUARDED = ("the rpc runtime was started while a role process was importing the main module: the script "
+              "builds its OverlordLoader at import time. Every role process imports the main module (for the "
+              "strategy and transforms defined there), so put the code that builds and runs the loader under "
+              "`if __name__ == \"__main__\":` (the strategy and transform definitions stay at module level)")
+
+
 def _ensure_fork_server() -> None:
     """Start the fork server if it is not running (its socket in a folder short enough, see above), with
     :data:`PRELOAD`, the transforms' modules, then the freeze and the exit clean-up as its preloads."""
     from multiprocessing import forkserver, process
+    if getattr(process.current_process(), "_inheriting", False):
+        raise ConfigError(_UNGUARDED)
     mp.get_context("forkserver").set_forkserver_preload(PRELOAD + _ALSO + [_FREEZE, _EXIT])
     _socket_safe_tempdir()
     try:
@@ -123,7 +131,10 @@ def spawn_workers(members: list[tuple[str, int]], rendezvous: dict, rpc_timeout:
 def exited_during_start_up(procs) -> str | None:
     """Why a start-up cannot succeed: worker processes that exited already (None while all run)."""
     dead = [f"{p.name} (exit code {p.exitcode})" for p in procs if not p.is_alive()]
-    return f"RPC process(es) {dead} exited during start-up" if dead else None
+    if not dead:
+        return None
+    return (f"RPC process(es) {dead} exited during start-up; each printed why to this process's stderr (a script "
+            f"that builds its loader outside `if __name__ == \"__main__\":` makes every role process exit so)")
 
 
 class RpcSession:
