@@ -60,9 +60,9 @@ def check_loadable(obj, what: str) -> None:
 def check_main_guarded(what: str) -> None:
     """Raise :class:`ConfigError` when this call comes from the main script's top level outside its
     ``if __name__ == "__main__":`` block: role processes import that script, so each would run ``what``
-    again (and multiprocessing refuses to start processes then). Nothing to check without a script file,
-    or when the call is not made from the script's top level (a thread, a function it calls under the guard
-    is fine: the top level then stands on the guarded line that called it)."""
+    again (and multiprocessing refuses to start processes then). The line judged is the one the script's top
+    level stands on, however many functions deep the call is; nothing to check without a script file, or
+    from a thread (no frame of the script's top level below it)."""
     main = sys.modules.get("__main__")
     path = _main_path(main)
     if path is None:

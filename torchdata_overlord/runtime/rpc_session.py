@@ -133,8 +133,8 @@ def exited_during_start_up(procs) -> str | None:
     dead = [f"{p.name} (exit code {p.exitcode})" for p in procs if not p.is_alive()]
     if not dead:
         return None
-    return (f"RPC process(es) {dead} exited during start-up; each printed why to this process's stderr (a script "
-            f"that builds its loader outside `if __name__ == \"__main__\":` makes every role process exit so)")
+    return (f"RPC process(es) {dead} exited during start-up; each printed why to this process's stderr (e.g. "
+            f"each exits so when the script builds its loader outside `if __name__ == \"__main__\":`)")
 
 
 class RpcSession:
