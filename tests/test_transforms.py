@@ -241,3 +241,34 @@ def test_outputs_feed_the_planner_metadata(spm_model):
     meta = ol.BufferMeta.from_samples("caps", outs)
     assert meta.patches.tolist() == [o["patches"] for o in outs]
     assert meta.tokens.tolist() == [o["tokens"] for o in outs] and meta.num_images.tolist() == [1] * 4
+
+
+def test_hugging_face_image_structs_read_from_parquet(spm_model, tmp_path):
+    """A Hugging Face ``datasets`` Image column in Parquet is a struct ``{bytes, path}``: the bytes when
+    embedded, else the file at the path. Both decode to what the plain bytes give; neither is an error
+    naming the field."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from torchdata_overlord.transforms.image_text import ImageDecodeError
+
+    images = [testing.make_image_bytes(120 + 20 * i, 90, "JPEG", seed=i) for i in range(3)]
+    (tmp_path / "on_disk.jpg").write_bytes(images[2])
+    structs = [{"bytes": images[0], "path": "a.jpg"}, {"bytes": images[1], "path": None},
+               {"bytes": None, "path": str(tmp_path / "on_disk.jpg")}]
+    pq.write_table(pa.table({"image": structs, "text": ["one", "two", "three"]}), tmp_path / "hf.parquet")
+    it = ImageText(spm_model)
+    src = ol.ParquetSource("hf", str(tmp_path / "hf.parquet"), it, seed=0)
+    got = {}
+    for _ in range(3):
+        index, row, where = src.next_raw()
+        got[index] = src.apply(row, where)
+    assert sorted(got) == [0, 1, 2]
+    for i, image in enumerate(images):
+        want = it({"image": image, "text": ["one", "two", "three"][i]})
+        assert torch.equal(got[i]["pixels"], want["pixels"]) and torch.equal(got[i]["input_ids"], want["input_ids"])
+    with pytest.raises(TypeError, match=r"'image' is a struct with fields \['path'\].*'bytes' or 'path'"):
+        it({"image": {"path": None}, "text": "x"})
+    with pytest.raises(ImageDecodeError, match=r"'image' holds no bytes, and its path '/nonexistent/x.jpg' cannot be "
+                                               r"read.*embed_external_files"):
+        it({"image": {"bytes": None, "path": "/nonexistent/x.jpg"}, "text": "x"})

@@ -51,6 +51,24 @@ def _pillow_rgb(raw: bytes) -> torch.Tensor:
         return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).contiguous()
 
 
+def _struct_bytes(image: Mapping[str, Any], field: str) -> bytes:
+    """The encoded bytes of a Hugging Face ``datasets`` image struct (``{"bytes", "path"}``, how its Parquet
+    files store an ``Image`` column): its bytes, else the file its path names."""
+    if image.get("bytes") is not None:
+        return image["bytes"]
+    path = image.get("path")
+    if path is None:
+        raise TypeError(f"ImageText: field {field!r} is a struct with fields {sorted(image)}, expected encoded image "
+                        f"bytes or a Hugging Face image struct with non-null 'bytes' or 'path'")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ImageDecodeError(f"ImageText: field {field!r} holds no bytes, and its path {path!r} cannot be read "
+                               f"({type(e).__name__}: {e}); embed the images in the Parquet files (datasets: "
+                               f"embed_external_files) or make the path readable from every loader process") from e
+
+
 def decode_rgb(data: Any) -> torch.Tensor:
     """Decode encoded image bytes to a ``3xHxW`` uint8 RGB tensor: torchvision first, pillow for other formats."""
     from torchvision.io import ImageReadMode, decode_image
@@ -94,6 +112,8 @@ class ImageText:
 
     One image per row: ``pixels`` is ``3xHxW`` uint8 with H, W multiples of ``patch``; ``grid`` is
     ``(H // patch, W // patch)``; ``image_patches`` lists per-image patch counts for the Planner's costs.
+    The image field holds the encoded bytes, or a Hugging Face ``datasets`` image struct
+    ``{"bytes", "path"}`` (its bytes, else the file at its path).
     Text is tokenized exactly as :class:`Tokenize` does. ``preload``: what the rpc runtime's fork server
     imports for it, so a loader actor started mid-run (a reshard, a recovery) decodes at once.
     """
@@ -125,6 +145,8 @@ class ImageText:
     def __call__(self, row: Mapping[str, Any]) -> dict:
         text = row_text(row, self.text_field, "ImageText")
         data = row_field(row, self.image_field, "ImageText")
+        if isinstance(data, Mapping):
+            data = _struct_bytes(data, self.image_field)
         if data is None:
             raise TypeError(f"ImageText: field {self.image_field!r} is null (None), expected encoded image bytes")
         try:
