@@ -387,9 +387,12 @@ json.dump(report, open({str(out)!r}, "w"))
 
 
 @pytest.mark.slow
-def test_a_killed_trainer_leaves_no_role_process_behind(corpus, tmp_path):
-    """SIGKILL the trainer process mid-run: its RPC worker processes (the roles) must exit on their own,
-    and the fork server's socket folder (``pymp-*``, which a trainer removes only when it exits) goes too."""
+@pytest.mark.parametrize("kill", ["SIGKILL the trainer", "SIGTERM its process group"])
+def test_a_killed_trainer_leaves_no_role_process_behind(corpus, tmp_path, kill):
+    """SIGKILL the trainer process mid-run, or SIGTERM its whole process group (as ``timeout`` or a
+    scheduler's cancel does: the fork server and the roles get it too): its RPC worker processes (the
+    roles) must exit, and the fork server's socket folder (``pymp-*``, which a trainer removes only when
+    it exits) goes too."""
     import signal
     import time
 
@@ -410,7 +413,8 @@ print(multiprocessing.util.get_temp_dir(), flush=True)
 for _ in it:
     pass
 """
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         line = proc.stdout.readline()
         pids = [int(p) for p in line.split()]
@@ -418,7 +422,10 @@ for _ in it:
         folder = proc.stdout.readline().strip()
         assert os.path.basename(folder).startswith("pymp-") and any(
             n.startswith("listener-") for n in os.listdir(folder)), folder     # the fork server's socket
-        proc.send_signal(signal.SIGKILL)
+        if kill == "SIGKILL the trainer":
+            proc.send_signal(signal.SIGKILL)
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 30                 # bounded poll of the process table (not our children)
         alive = pids

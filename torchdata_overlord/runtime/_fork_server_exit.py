@@ -9,10 +9,19 @@ removes its folder itself, after the server's socket) the server leaves everythi
 folder stays while anything else is in it (a folder a process inherited from a parent is shared with
 that parent's own server). The server's children (the role processes) never run it (the check is on the
 server's pid). Imported anywhere else, it does nothing.
+
+A SIGTERM sent to the trainer's whole process group (``timeout``, a scheduler cancelling a job) reaches the
+server too, which died of it at once and left both behind. The server takes SIGTERM as an order to exit: it
+waits up to :data:`_GRACE` seconds for its starter to be gone too, then exits the same way, cleaning up after
+a starter that is gone. Its children (the role processes) get SIGTERM's default action back at fork. Whether
+the starter is gone is read from its pidfd, which is readable once it has exited and this server has a new
+parent (the parent pid alone where there are no pidfds).
 """
 
 import atexit
 import os
+import select
+import signal
 import socket
 
 from ._fork_freeze import fork_server_frame
@@ -29,8 +38,21 @@ def _socket_path(listener_fd: int) -> str | None:
     return path if ok else None
 
 
-def _clean(path: str, pid: int, parent: int) -> None:
-    if os.getpid() != pid or os.getppid() == parent:        # a child, or the starter lives (and cleans up)
+def _starter_gone(parent: int, pidfd: int | None, wait: float = 0.0) -> bool:
+    """Whether the process that started the server has exited, waiting up to ``wait`` seconds for it. Its pidfd
+    (where the kernel has them) is readable once it has, with its children (this server) already given to
+    another parent; the alive pipe is not enough: it ends as the starter's files close, a moment before,
+    and a starter that lives closes it too when it stops the server."""
+    if pidfd is not None:
+        try:
+            return bool(select.select([pidfd], [], [], wait)[0])
+        except (OSError, ValueError):
+            pass
+    return os.getppid() != parent
+
+
+def _clean(path: str, pid: int, parent: int, pidfd: int | None) -> None:
+    if os.getpid() != pid or not _starter_gone(parent, pidfd):   # a child, or the starter lives (and cleans up)
         return
     for remove, what in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
         try:
@@ -39,9 +61,40 @@ def _clean(path: str, pid: int, parent: int) -> None:
             return
 
 
+_GRACE = 2.0        # s a terminated server waits for its starter to be gone too (a group's SIGTERM reaches both)
+
+
+def _exit_on_sigterm(pid: int, parent: int, pidfd: int | None):
+    def terminated(signum, _frame):
+        if os.getpid() != pid:                              # (children reset it at fork)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        _starter_gone(parent, pidfd, _GRACE)
+        raise SystemExit(128 + signum)                      # out of the server's loop: the atexit clean-up runs
+    return terminated
+
+
+def _in_child(pidfd: int | None) -> None:
+    """A role process forked by the server: SIGTERM's default action, and no handle on the trainer."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if pidfd is not None:
+        os.close(pidfd)
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):                       # no pidfds here: the parent pid alone tells
+        return None
+
+
 _frame = fork_server_frame()
 if _frame is not None:
     _path = _socket_path(_frame.f_locals["listener_fd"])
     if _path is not None:
-        atexit.register(_clean, _path, os.getpid(), os.getppid())
+        _who = (os.getpid(), os.getppid(), _pidfd(os.getppid()))
+        atexit.register(_clean, _path, *_who)
+        signal.signal(signal.SIGTERM, _exit_on_sigterm(*_who))
+        os.register_at_fork(after_in_child=lambda: _in_child(_who[2]))
 del _frame
