@@ -91,12 +91,20 @@ def _main_path(main) -> str | None:
 
 
 @lru_cache(maxsize=8)
-def _guarded_lines(path: str, mtime_ns: int) -> list[tuple[int, int]] | None:
-    """The line ranges of a script's ``if __name__ == "__main__":`` bodies (None: its source does not parse)."""
+def _script_tree(path: str, mtime_ns: int) -> ast.Module | None:
+    """A script's syntax tree, parsed once per version of the file (None: unreadable, or it does not parse)."""
     try:
         with open(path, "rb") as f:
-            tree = ast.parse(f.read(), path)
+            return ast.parse(f.read(), path)
     except (OSError, SyntaxError, ValueError):
+        return None
+
+
+@lru_cache(maxsize=8)
+def _guarded_lines(path: str, mtime_ns: int) -> list[tuple[int, int]] | None:
+    """The line ranges of a script's ``if __name__ == "__main__":`` bodies (None: its source does not parse)."""
+    tree = _script_tree(path, mtime_ns)
+    if tree is None:
         return None
     return [(node.body[0].lineno, node.body[-1].end_lineno) for node in ast.walk(tree)
             if isinstance(node, ast.If) and _is_main_guard(node.test)]
@@ -136,10 +144,8 @@ def _unloadable(module: str | None, qualname: str) -> str | None:
 def _main_names(path: str, mtime_ns: int) -> tuple[frozenset | None, frozenset]:
     """Names a script binds at module level outside / inside its ``if __name__ == "__main__":``
     blocks; ``None`` outside when it cannot be told (a ``*`` import, unreadable source)."""
-    try:
-        with open(path, "rb") as f:
-            tree = ast.parse(f.read(), path)
-    except (OSError, SyntaxError, ValueError):
+    tree = _script_tree(path, mtime_ns)
+    if tree is None:
         return None, frozenset()
     outside: set[str] = set()
     guarded: set[str] = set()
