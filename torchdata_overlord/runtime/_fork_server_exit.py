@@ -64,12 +64,8 @@ def _clean(path: str, pid: int, parent: int, pidfd: int | None) -> None:
 _GRACE = 2.0        # s a terminated server waits for its starter to be gone too (a group's SIGTERM reaches both)
 
 
-def _exit_on_sigterm(pid: int, parent: int, pidfd: int | None):
-    def terminated(signum, _frame):
-        if os.getpid() != pid:                              # (children reset it at fork)
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
+def _exit_on_sigterm(parent: int, pidfd: int | None):
+    def terminated(signum, _frame):                         # (the server's own: children reset it at fork)
         _starter_gone(parent, pidfd, _GRACE)
         raise SystemExit(128 + signum)                      # out of the server's loop: the atexit clean-up runs
     return terminated
@@ -95,6 +91,6 @@ if _frame is not None:
     if _path is not None:
         _who = (os.getpid(), os.getppid(), _pidfd(os.getppid()))
         atexit.register(_clean, _path, *_who)
-        signal.signal(signal.SIGTERM, _exit_on_sigterm(*_who))
+        signal.signal(signal.SIGTERM, _exit_on_sigterm(*_who[1:]))
         os.register_at_fork(after_in_child=lambda: _in_child(_who[2]))
 del _frame
