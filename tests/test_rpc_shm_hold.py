@@ -7,8 +7,11 @@ the sender's record and the sender itself."""
 
 from __future__ import annotations
 
+import copy
 import gc
+import io
 import os
+import pickle
 import random
 import signal
 import time
@@ -20,7 +23,7 @@ import torch
 
 from torchdata_overlord.runtime import shm
 from torchdata_overlord.runtime.procstats import process_running
-from torchdata_overlord.runtime.wire import HOLD_MIN_BYTES, discard, hold, pack, unpack
+from torchdata_overlord.runtime.wire import _PLACES, HOLD_MIN_BYTES, HeldRecord, discard, hold, pack, unpack
 
 from test_rpc_shm import arena  # noqa: F401 (fixture: this process's arena, a pretend peer of the host)
 
@@ -36,6 +39,11 @@ def _record(i: int, n: int = 500) -> dict:
             "pixels": [torch.randint(0, 256, (5, 4, 3), dtype=torch.uint8, generator=g).permute(2, 0, 1),
                        torch.randint(0, 256, (3, 2, 2), dtype=torch.uint8, generator=g)],
             "scores": torch.rand(7, generator=g).to(torch.bfloat16), "grid": (2, 2), "index": i, "source": "web"}
+
+
+def _place(t: torch.Tensor):
+    """Where :func:`hold` put ``t``."""
+    return _PLACES[id(t)]
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -85,6 +93,80 @@ def test_a_held_record_travels_by_place_and_arrives_identical(arena):
     assert all(_same(unpack(data, ref)[i], plain[i]) for i in plain)
 
 
+def _sealed(data: bytes) -> bool:
+    """Whether a packed message carries a held record as the pickle made when it was held."""
+    return b"_unseal" in data
+
+
+def test_a_held_record_is_sent_as_the_pickle_made_when_it_was_held(arena):
+    """The put walks no held record: it sends the pickle made by hold (its tensors as places) and the region;
+    the receiver gets a plain dict. Pickled any other way, or copied, a held record is a plain dict with its
+    values, and its tensors save with torch.save."""
+    plain = {i: _record(i) for i in range(3)}
+    held = {i: hold_all(r) for i, r in plain.items()}
+    assert all(type(r) is HeldRecord and isinstance(r, dict) for r in held.values())
+    data, ref = pack({"step": 7, "recs": held}, peer="peer")
+    assert _sealed(data) and _sent_by_place(ref) and ref[4] == -1
+    got = unpack(data, ref)
+    assert got["step"] == 7 and all(type(got["recs"][i]) is dict and _same(got["recs"][i], plain[i]) for i in plain)
+    data, ref = pack(held, peer="elsewhere")               # to a peer not known to share the host: copied
+    assert not _sealed(data) and isinstance(ref, torch.Tensor)
+    assert all(_same(unpack(data, ref)[i], plain[i]) for i in plain)
+    for other in (pickle.loads(pickle.dumps(held[0])), copy.deepcopy(held[0]), copy.copy(held[0])):
+        assert type(other) is dict and _same(other, plain[0])
+    saved = io.BytesIO()                                    # its tensors save as any (the place is no attribute)
+    torch.save({k: held[0][k] for k in ("input_ids", "pixels", "scores")}, saved)
+    saved.seek(0)
+    back = torch.load(saved, weights_only=True)
+    assert torch.equal(back["input_ids"], plain[0]["input_ids"]) and torch.equal(back["pixels"][0], plain[0]["pixels"][0])
+
+
+@pytest.mark.parametrize("change", ["set a key", "remove a key", "replace a list item", "append to a list",
+                                    "add in place", "resize", "set_"])
+def test_a_held_record_changed_since_is_sent_as_it_is_now(arena, change):
+    """Whatever changed after hold (the dict, one of its lists, a tensor's values or storage), the receiver
+    gets the record as it is at the put, not as it was held."""
+    mine = hold_all(_record(5))
+    if change == "set a key":
+        mine["index"] = 99
+    elif change == "remove a key":
+        del mine["source"]
+    elif change == "replace a list item":
+        mine["pixels"][1] = torch.full((3, 2, 2), 7, dtype=torch.uint8)
+    elif change == "append to a list":
+        mine["pixels"].append(torch.ones(2, dtype=torch.uint8))
+    elif change == "add in place":
+        mine["input_ids"].add_(1)
+    elif change == "resize":
+        mine["scores"].resize_(3)
+    else:
+        mine["input_ids"].set_(torch.arange(5))
+    expected = {k: (list(v) if type(v) is list else v) for k, v in mine.items()}
+    data, ref = pack({"r": mine}, peer="peer")
+    assert not _sealed(data) or change == "add in place"     # (values changed in place: the region has them)
+    got = unpack(data, ref)["r"]
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(got[k], v), k
+        elif isinstance(v, list):
+            assert len(got[k]) == len(v) and all(torch.equal(a, b) for a, b in zip(got[k], v)), k
+        else:
+            assert got[k] == v, k
+
+
+def test_a_held_record_with_a_value_hold_cannot_watch_is_held_but_not_sealed(arena):
+    """A value that could change unseen (a nested dict) keeps the record a plain dict: its tensors still
+    travel by place, one by one."""
+    r = {**_record(6), "meta": {"lang": "en"}}
+    held = hold_all(r)
+    assert type(held) is dict and _in_arena(held["input_ids"])
+    data, ref = pack({"r": held}, peer="peer")
+    assert not _sealed(data) and _sent_by_place(ref)
+    got = unpack(data, ref)["r"]
+    assert got["meta"] == {"lang": "en"} and torch.equal(got["input_ids"], r["input_ids"])
+
+
 def test_by_default_only_records_of_images_are_held(arena):
     """Holding costs more Python than a put's copy of a few KiB saves: a loader holds only big records."""
     small = _record(0)                                       # ~4 KiB of tensors
@@ -119,7 +201,7 @@ def test_a_held_region_is_reused_only_once_the_sender_and_every_receiver_let_go(
         gc.disable()
         try:
             mine = hold_all(_record(1))
-            start = mine["input_ids"]._overlord_place.region
+            start = _place(mine["input_ids"]).region
             first = unpack(*pack({"r": mine}, peer="peer"))["r"]
             second = unpack(*pack({"r": mine}, peer="peer"))["r"]
             holders = [mine, first, second]
@@ -127,7 +209,7 @@ def test_a_held_region_is_reused_only_once_the_sender_and_every_receiver_let_go(
             for k, who in enumerate(order):
                 holders[who] = None
                 probe = hold_all(_record(99))             # lands in the lowest free region
-                reused = probe["input_ids"]._overlord_place.region == start
+                reused = _place(probe["input_ids"]).region == start
                 assert reused == (k == len(order) - 1), (order, k)
                 assert all(_same(h, _record(1)) for h in holders if h is not None)
                 del probe
@@ -137,17 +219,16 @@ def test_a_held_region_is_reused_only_once_the_sender_and_every_receiver_let_go(
 
 def test_each_region_of_a_message_is_freed_on_its_own(arena):
     """A receiver that keeps one record of a message (a trainer keeping one image) keeps that record's region
-    only: the others' slots are free, and the kept tensor's storage is its record's region, not more."""
+    only: the others' slots are free, and the kept tensor's storage is its own bytes, not more."""
     mine = {i: hold_all(_record(i)) for i in range(3)}
     got = unpack(*pack(mine, peer="peer"))
     kept = got[0]["input_ids"]
     del got
     words = shm.current().words
-    starts = {i: r["input_ids"]._overlord_place.region // 8 for i, r in mine.items()}
+    starts = {i: _place(r["input_ids"]).region // 8 for i, r in mine.items()}
     slots = {i: words[w:w + 8].tolist() for i, w in starts.items()}
     assert slots[0][1] == 1 and slots[1][1:] == [0] * 7 and slots[2][1:] == [0] * 7
-    region = mine[0]["input_ids"]._overlord_place
-    assert kept.untyped_storage().nbytes() == region.end - region.first
+    assert kept.untyped_storage().nbytes() == kept.nbytes
     assert torch.equal(kept, _record(0)["input_ids"])
 
 
@@ -224,7 +305,7 @@ def test_a_region_allocated_over_old_bytes_starts_with_free_slots(arena):
     discard(ref)
     small = {"ids": torch.arange(4)}
     first, second = hold_all(small), hold_all(small)     # the second starts inside the old message's bytes
-    start = second["ids"]._overlord_place.region
+    start = _place(second["ids"]).region
     assert ref[4] < start < ref[4] + 20_000 * 8
     assert shm.current().words[start // 8:start // 8 + 8].tolist() == [1, 0, 0, 0, 0, 0, 0, 0]
     for _ in range(10):

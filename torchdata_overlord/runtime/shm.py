@@ -24,7 +24,7 @@ Lifetime of a region (no use-after-free, no blocking):
 
 * Each allocation starts with a 64-byte header of eight words, each with one writer. Word 0 of a
   *message* region says *live* (set by the sender) until the receiver's views are gone: they are
-  views of one numpy array per message, and a ``weakref.finalize`` on that array writes *free*.
+  views of one numpy array per message, and a weak reference's callback on that array (:func:`when_gone`) writes *free*.
 * The sender reuses a region only once all eight words say *free* (lowest addresses first, so the
   pages touched stay about the bytes in flight). When no region is free, or a message is larger than a
   quarter of the arena, the message goes through the socket: a receiver that holds views for a
@@ -283,7 +283,7 @@ def hold(nbytes: int) -> tuple[_Arena, int, np.ndarray] | None:
     message claimed, is gone). None when the arena is full (or this process does not use shared memory)."""
     got = _region(nbytes, "hold_full") if enabled() else None
     if got is not None:
-        weakref.finalize(got[2], got[0].free, got[1])
+        when_gone(got[2], got[0].free, got[1])
         _STATS["held"] += 1
     return got
 
@@ -329,6 +329,22 @@ def _attach(pid: int, fd: int, token: str) -> _Attached:
         return got
 
 
+_WATCHED: dict[int, tuple] = {}                 # id of a weak reference -> (it, what to call once its object is gone)
+
+
+def when_gone(obj, fn, *args) -> None:
+    """Call ``fn(*args)`` once ``obj`` is gone, on whichever thread drops it (a weak reference with a callback:
+    a tenth of ``weakref.finalize``'s cost, which a message pays per region it receives)."""
+    ref = weakref.ref(obj, _gone)
+    _WATCHED[id(ref)] = (ref, fn, args)
+
+
+def _gone(ref) -> None:
+    got = _WATCHED.pop(id(ref), None)
+    if got is not None:
+        got[1](*got[2])
+
+
 def _release(states: np.ndarray, word: int) -> None:
     states[word] = _FREE
     _STATS["freed"] += 1
@@ -343,11 +359,11 @@ def receive(ref: ShmRef) -> tuple[np.ndarray | None, list[np.ndarray]]:
     buf = None
     if start >= 0:
         buf = np.frombuffer(peer.mm, np.uint8, count=int(nbytes), offset=int(start) + _HEAD)
-        weakref.finalize(buf, _release, peer.states, int(start) // 8)
+        when_gone(buf, _release, peer.states, int(start) // 8)
     regions = []
     for first, end, slot in held:
         regions.append(np.frombuffer(peer.mm, np.uint8, count=int(end) - int(first), offset=int(first)))
-        weakref.finalize(regions[-1], _release, peer.states, int(slot))
+        when_gone(regions[-1], _release, peer.states, int(slot))
     _STATS["received"] += 1
     return buf, regions
 

@@ -19,7 +19,9 @@ tensors of one dtype lie one after another, so the receiver cuts them out of the
 Between processes of one host the buffer is written into shared memory instead, and the message
 carries a reference to it (:mod:`.shm`: ``pack(obj, peer=...)``); :func:`unpack` takes either. A
 tensor that already lies in this process's shared memory (:func:`hold` put it there ahead of time)
-is not copied at all: the message carries its place, and the receiver's tensor is a view of it.
+is not copied at all: the message carries its place, and the receiver's tensor is a view of it. A
+record :func:`hold` made (a :class:`HeldRecord`), unchanged since, is not even walked: the message
+carries the pickle ``hold`` made of it, its tensors as places.
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ import torch
 
 from . import shm
 
-__all__ = ["pack", "unpack", "discard", "hold", "HOLD_MIN_BYTES"]
+__all__ = ["pack", "unpack", "discard", "hold", "HeldRecord", "HOLD_MIN_BYTES"]
 
 _ALIGN = 16            # every tensor starts at a multiple of 16 bytes of the buffer
 _STRIDED = torch.strided
 _DTYPES: dict[torch.dtype, tuple[str, int, bool] | None] = {}   # dtype -> (name in torch, bytes, complex?)
 _LOCAL = threading.local()     # the message being unpacked on this thread: its tensors, by dtype group
-_PLACE = "_overlord_place"     # the attribute of a tensor :func:`hold` made: its _Place
+# tensor id -> its _Place, for the tensors :func:`hold` made (dropped as each goes; not an attribute of the tensor,
+# which would travel in its pickle, torch.save or deepcopy and fail there: a place names this process's arena)
+_PLACES: dict[int, "_Place"] = {}
 HOLD_MIN_BYTES = 256 << 10     # :func:`hold` holds a record whose tensors hold at least this many bytes
 
 
@@ -96,20 +100,27 @@ class _Place:
 
     __slots__ = ("arena", "region", "first", "end", "ptr", "shape", "stride", "args")
 
-    def __init__(self, arena, region: int, first: int, end: int, t: torch.Tensor, name: str, at: int):
+    def __init__(self, arena, region: int, first: int, end: int, t: torch.Tensor, name: str, at: int, plain: bool):
         self.arena, self.region, self.first, self.end, self.ptr = arena, region, first, end, t.data_ptr()
         self.shape, self.stride = t.shape, t.stride()
-        self.args = (name, (at - first) // t.element_size(), tuple(t.shape), t.stride())
+        self.args = (name, at, t.numel(), None if plain else tuple(self.shape), None if plain else self.stride)
 
 
-def _held_tensor(region: int, name: str, offset: int, shape: tuple, stride: tuple) -> torch.Tensor:
-    """A held tensor of the message being unpacked: a view of its region of the sender's arena (one storage per
-    region and dtype, so that torch.save writes that record's region, not more)."""
-    regions, views = _LOCAL.held
-    v = views.get((region, name))
-    if v is None:
-        v = views[region, name] = torch.from_numpy(regions[region]).view(getattr(torch, name))
-    return v.as_strided(shape, stride, offset)
+def _held_tensor(region: int, name: str, at: int, count: int, shape: tuple | None, stride: tuple | None) -> torch.Tensor:
+    """A held tensor of the message being unpacked, in the ``region``-th region it names (:func:`_in_region`)."""
+    return _in_region(_LOCAL.held[region], name, at, count, shape, stride)
+
+
+def _in_region(region, name: str, at: int, count: int, shape: tuple | None, stride: tuple | None) -> torch.Tensor:
+    """The ``count`` elements of dtype ``name`` from byte ``at`` of ``region`` (a received region's array), with
+    their shape and strides (None: 1-D): a storage of its own over those bytes, which keeps the region's array
+    alive (its slot is freed once the last is gone), so torch.save writes those bytes only."""
+    dtype = _TORCH_DTYPES.get(name) or _TORCH_DTYPES.setdefault(name, getattr(torch, name))
+    t = torch.frombuffer(region, dtype=dtype, count=count, offset=at)
+    return t if shape is None else t.as_strided(shape, stride)
+
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {}
 
 
 class _Held:
@@ -127,19 +138,122 @@ class _Held:
         resize), another group's arena, or its region's slots all taken."""
         if h.arena is not self.arena or t.data_ptr() != h.ptr or t.shape != h.shape or t.stride() != h.stride:
             return None
+        k = self.claim(h)
+        return None if k is None else (_held_tensor, (k, *h.args))
+
+    def claim(self, h: _Place) -> int | None:
+        """The index in this message of ``h``'s region (a slot of it claimed the first time); None when all its
+        slots are taken."""
         got = self.regions.get(h.region)
         if got is None:
             slot = self.arena.claim(h.region)
             if slot is None:
                 return None
             got = self.regions[h.region] = (len(self.regions), h.first, h.end, slot)
-        return _held_tensor, (got[0], *h.args)
+        return got[0]
 
     def ref(self, start: int = -1, nbytes: int = 0) -> tuple:
         """The message's :data:`.shm.ShmRef`: its buffer's region (``start`` -1: none), and per held region
         its bytes and the slot its receiver frees."""
         a = self.arena
         return "shm", a.pid, a.fd, a.token, start, nbytes, tuple((f, e, s) for _, f, e, s in self.regions.values())
+
+
+class HeldRecord(dict):
+    """A record :func:`hold` put into shared memory, with its pickle made there too (its tensors as places in
+    its region): a put to a peer of this host sends that pickle as it is, instead of walking the record and
+    placing its tensors one by one during the step. To any other reader it is the dict it holds; pickled any
+    other way (or copied), a plain dict. Changed since it was held (a key set or removed, a list's item, a
+    tensor changed in place, resized or ``set_``), it is sent as a plain dict would be."""
+
+    __slots__ = ("_seal",)
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+
+class _Seal:
+    """What :func:`hold` pickled of a record: the pickle, its region's place, and what it saw (the values by
+    identity, the items of its lists, the tensors' version counters) to tell whether it still holds."""
+
+    __slots__ = ("place", "blob", "items", "seqs", "tensors")
+
+    def __init__(self, record: dict, place: _Place, tensors: list[torch.Tensor]):
+        self.place, self.items = place, tuple(record.items())
+        self.seqs = tuple((v, tuple(v)) for v in record.values() if type(v) is list)
+        self.tensors = tuple((t, t._version) for t in tensors)
+        f = io.BytesIO()
+        _Sealer(f, pickle.HIGHEST_PROTOCOL).dump(record)
+        self.blob = f.getvalue()
+
+    def holds(self, record: dict) -> bool:
+        """Whether ``record`` is still what was pickled."""
+        if len(record) != len(self.items):
+            return False
+        get = record.get
+        for k, v in self.items:
+            if get(k, _MISSING) is not v:
+                return False
+        for seq, items in self.seqs:
+            if len(seq) != len(items) or any(a is not b for a, b in zip(seq, items)):
+                return False
+        return all(t._version == v for t, v in self.tensors)
+
+
+_MISSING = object()
+_ATOMS = frozenset({str, int, float, bool, bytes, type(None)})    # values a sealed record may hold besides tensors
+
+
+def _sealed_reduce(t: torch.Tensor):
+    return _sealed_tensor, _PLACES[id(t)].args
+
+
+class _Sealer(pickle.Pickler):
+    """Pickles a held record with its tensors as their places in its region."""
+
+    dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _sealed_reduce}
+
+
+def _seal(record: dict, tensors: list[torch.Tensor]) -> dict:
+    """``record`` (all its tensors held in one region: ``tensors``) as a :class:`HeldRecord` carrying its pickle;
+    ``record`` itself when a value is neither a tensor, an immutable scalar or string, nor a list or tuple of
+    those (a mutable value could change unseen after the pickle was made)."""
+    for k, v in record.items():
+        if type(k) not in _ATOMS:
+            return record
+        if type(v) is list or type(v) is tuple:
+            if not all(type(x) in _ATOMS or type(x) is torch.Tensor for x in v):
+                return record
+        elif type(v) not in _ATOMS and type(v) is not torch.Tensor:
+            return record
+    out = HeldRecord(record)
+    out._seal = _Seal(record, _PLACES[id(tensors[0])], tensors)
+    return out
+
+
+def _reduce_record(held: _Held | None, record: HeldRecord):
+    """A held record to a peer of this host, unchanged since: its pickle and its region; else a plain dict."""
+    seal = getattr(record, "_seal", None)
+    if held is not None and seal is not None and seal.place.arena is held.arena and seal.holds(record):
+        k = held.claim(seal.place)
+        if k is not None:
+            return _unseal, (k, seal.blob)
+    return dict, (dict(record),)
+
+
+def _unseal(region: int, blob: bytes) -> dict:
+    """A sealed record of the message being unpacked: its pickle, its tensors in the ``region``-th region."""
+    previous = getattr(_LOCAL, "region", None)
+    _LOCAL.region = _LOCAL.held[region]
+    try:
+        return pickle.loads(blob)
+    finally:
+        _LOCAL.region = previous
+
+
+def _sealed_tensor(name: str, at: int, count: int, shape: tuple | None, stride: tuple | None) -> torch.Tensor:
+    """A tensor of the sealed record being unpacked (:func:`_in_region`)."""
+    return _in_region(_LOCAL.region, name, at, count, shape, stride)
 
 
 class _Packer(pickle.Pickler):
@@ -150,14 +264,15 @@ class _Packer(pickle.Pickler):
         self.groups: dict[torch.dtype, _Group] = {}
         # not a bound method: no reference cycle, so a packer (and the tensors it holds) goes when pack returns
         self.dispatch_table = {**copyreg.dispatch_table,
-                               torch.Tensor: functools.partial(_reduce_tensor, self.groups, held)}
+                               torch.Tensor: functools.partial(_reduce_tensor, self.groups, held),
+                               HeldRecord: functools.partial(_reduce_record, held)}
 
 
 def _reduce_tensor(groups: dict[torch.dtype, _Group], held: _Held | None, t: torch.Tensor):
     """``t`` appended to its dtype's group in ``groups`` (a packer's), and pickled as ``pieces[i]`` of it;
     or, when it lies in a held region and ``held`` places it, pickled as that place."""
     if held is not None:
-        h = getattr(t, _PLACE, None)
+        h = _PLACES.get(id(t))
         if h is not None and not t.requires_grad:
             got = held.place(t, h)
             if got is not None:
@@ -195,6 +310,8 @@ def pack(obj, peer: str | None = None) -> tuple[bytes, torch.Tensor | tuple | No
     held tensors (:func:`hold`) are then not copied, the reference names their places' slots.
     With a buffer or held tensors, the pickle is two: where each dtype's tensors lie in the buffer, then
     ``obj``."""
+    if type(obj) in _ATOMS:                     # (most answers: None)
+        return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), None
     near = peer is not None and shm.peer_ready(peer)
     arena = shm.current() if near else None
     held = _Held(arena) if arena is not None else None
@@ -244,13 +361,17 @@ def hold(record, min_bytes: int = HOLD_MIN_BYTES):
     """``record`` (a sample record: a dict) with its plain CPU tensors, and those in its lists and tuples, moved
     into one region of this process's shared memory (:func:`.shm.hold`): a new dict whose tensors are views
     of that region, with the same values, dtypes, shapes and strides (tensors that shared memory no longer
-    do). A message then carries such a tensor by place, not by copy (:func:`pack`). ``record`` itself when
-    it is not a dict, its tensors hold fewer than ``min_bytes`` bytes, or shared memory is off or full.
+    do). A message then carries such a tensor by place, not by copy (:func:`pack`). When every tensor of it
+    moved and its other values are immutable (scalars, strings, lists and tuples of those and tensors), the
+    new dict is a :class:`HeldRecord` with its pickle made here: a put sends that, not the record walked
+    tensor by tensor. ``record`` itself when it is not a dict, its tensors hold fewer than ``min_bytes``
+    bytes, or shared memory is off or full.
 
-    Holding costs the copy a put would make, plus tens of microseconds of Python per record; it takes the
-    copy off the step (a loader holds ahead of it). That pays for records of images (hundreds of KiB), not
-    for a few KiB of token ids, where the put's copy costs less than the hold's bookkeeping: hence
-    ``min_bytes`` (:data:`HOLD_MIN_BYTES` by default; a Source Loader holds with the default)."""
+    Holding costs the copy a put would make, plus about 25 us of Python per record (its region, a storage per
+    tensor, the pickle); it takes the copy and the walk off the step (a loader holds ahead of it). That pays
+    for records of images (hundreds of KiB), not for tens of KiB of token ids, where a put's copy and walk
+    cost less (measured in a job: holding every record cost samples/s): hence ``min_bytes``
+    (:data:`HOLD_MIN_BYTES` by default; a Source Loader holds with the default)."""
     if type(record) is not dict:
         return record
     found: list = []                                    # (key, index in its list or -1, tensor)
@@ -261,6 +382,7 @@ def hold(record, min_bytes: int = HOLD_MIN_BYTES):
             found += [(k, j, x) for j, x in enumerate(v) if type(x) is torch.Tensor]
     if sum(t.nbytes for _, _, t in found) < min_bytes:  # (sizes first: most records are not held)
         return record
+    every = len(found)
     found = [f for f in found if _holdable(f[2])]
     if not found:
         return record
@@ -272,24 +394,27 @@ def hold(record, min_bytes: int = HOLD_MIN_BYTES):
     if got is None:
         return record
     arena, region, view = got
-    base, memmove, whole = view.ctypes.data, ctypes.memmove, torch.from_numpy(view)
+    base, memmove = view.ctypes.data, ctypes.memmove
     first = region + shm.HEADER                         # the region's bytes, from the arena's start
     end = first + len(view)
-    out, seqs = dict(record), {}
+    out, seqs, held = dict(record), {}, []
     for (k, j, t), at in zip(found, offsets):
-        n = t.nbytes
-        memmove(base + at, t.data_ptr(), n)             # its block, from data_ptr() on (strides are >= 0)
-        m = whole[at:at + n].view(t.dtype)
-        if t.dim() != 1 or not t.is_contiguous():
+        memmove(base + at, t.data_ptr(), t.nbytes)      # its block, from data_ptr() on (strides are >= 0)
+        # a storage of its own over its bytes (keeping the region's array, and so the region, alive)
+        m = torch.frombuffer(view, dtype=t.dtype, count=t.numel(), offset=at)
+        plain = t.dim() == 1 and t.is_contiguous()
+        if not plain:
             m = m.as_strided(t.shape, t.stride())
-        setattr(m, _PLACE, _Place(arena, region, first, end, m, _DTYPES[t.dtype][0], first + at))
+        _PLACES[id(m)] = _Place(arena, region, first, end, m, _DTYPES[t.dtype][0], at, plain)
+        shm.when_gone(m, _PLACES.pop, id(m), None)
+        held.append(m)
         if j < 0:
             out[k] = m
         else:
             seqs.setdefault(k, list(record[k]))[j] = m
     for k, items in seqs.items():
         out[k] = items if type(record[k]) is list else tuple(items)
-    return out
+    return _seal(out, held) if len(found) == every else out     # (a tensor left out needs the buffer)
 
 
 def discard(buffer) -> None:
@@ -320,7 +445,7 @@ def unpack(data: bytes, buffer: torch.Tensor | tuple | None):
                 pieces[i] = pieces[i].as_strided(shape, stride)
         groups.append(pieces)
     previous = getattr(_LOCAL, "groups", None), getattr(_LOCAL, "held", None)
-    _LOCAL.groups, _LOCAL.held = groups, ((regions, {}) if regions else None)
+    _LOCAL.groups, _LOCAL.held = groups, regions
     try:
         return pickle.load(f)
     finally:
