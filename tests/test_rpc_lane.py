@@ -58,10 +58,13 @@ class Counter:
 class QuickCounter(Counter):
     """A Counter whose ``add`` and ``thread`` are quick: the lane thread that receives them may run them."""
 
-    QUICK_METHODS = frozenset({"add", "thread"})
+    QUICK_METHODS = frozenset({"add", "thread", "quick_echo"})
 
     def thread(self):
         return threading.current_thread().name
+
+    def quick_echo(self, x):
+        return x
 
     def slow_thread(self):
         return threading.current_thread().name
@@ -179,6 +182,46 @@ def test_quick_methods_run_on_the_lane_thread_and_keep_the_order(group):
     futs += [group.call("quick", "add" if k % 2 else "slow_add", k, timeout=30) for k in range(1, 41)]
     assert [f.result(40) for f in futs[1:]] == [sum(range(1, k + 1)) for k in range(1, 41)]
     assert group.call("quick", "history", timeout=30).result(40) == list(range(41))
+
+
+def test_answers_of_calls_read_together_go_back_together_each_to_its_own_call(group):
+    """Quick calls of one method that arrive while the lane thread still reads others are answered in one write
+    (a loader's puts to the constructors of one process); from several threads at once, mixed with calls of
+    other methods and calls run on the actor's thread, every call gets its own answer."""
+    for name in ("qa", "qb"):
+        group.start_actor(name, QuickCounter, worker=1)
+    _until(lambda: (group.call("qa", "add", 0, timeout=30).result(40) == 0
+                    and lane.route(group.worker_name(1)) is not None), 30, "lane to worker 1")
+    before = group.call("qa", "lane_stats", timeout=30).result(40)
+    got: dict = {}
+
+    def burst(tag: int) -> None:
+        futs = []
+        for k in range(60):
+            actor, method = ("qa", "quick_echo") if k % 2 else ("qb", "quick_echo")
+            if k % 7 == 0:
+                method = "echo"                     # runs on the actor's thread, answered from there
+            elif k % 11 == 0:
+                method = "thread"                    # quick, another method: the waiting answers go first
+            futs.append(((tag, k, method), group.call(actor, method, *(() if method == "thread" else ((tag, k),)),
+                                                      timeout=30)))
+        got[tag] = [(key, f.result(40)) for key, f in futs]
+
+    threads = [threading.Thread(target=burst, args=(tag,)) for tag in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(got) == [0, 1, 2, 3]
+    for tag, answers in got.items():
+        for (t, k, method), answer in answers:
+            if method == "thread":
+                assert answer.startswith(("overlord-lane-serve", "overlord-actor-")), answer
+            else:
+                assert answer == (t, k), (method, answer)
+    after = group.call("qa", "lane_stats", timeout=30).result(40)
+    served, writes = after["served"] - before["served"], after["answer_writes"] - before["answer_writes"]
+    assert served >= 240 and writes < served, (served, writes)
 
 
 def test_zy_a_send_to_a_frozen_peer_is_bounded(group, monkeypatch):

@@ -23,7 +23,11 @@ secret first: the peer serves only connections that know it (abstract socket nam
 A call that arrives on a lane is handed to the actor's thread, except a *quick* one (a method in the
 actor class's ``QUICK_METHODS``: a Data Constructor's ``put``, ``commit``, ``fail``, ``fetch``), which the
 lane's reader thread runs itself when the actor is idle with nothing queued: one thread hand-over less
-per call, in the same order (``_rpc_worker.dispatch``).
+per call, in the same order (``_rpc_worker.dispatch``). The answers it makes so wait while more calls
+of the same method are already there to read (a loader's puts to two constructors of one process), and
+go back together: one write, and one wake-up of the caller's reader thread instead of one per call;
+that thread completes the answers it finds together last first, so a caller waiting for them in order
+wakes up once.
 
 Frames, both ways: a 28-byte header (kind, call id, three lengths), a small pickle (the call's
 address, or nothing for an answer), the message's pickle, and the tensor buffer's bytes when it is
@@ -40,6 +44,7 @@ import itertools
 import logging
 import os
 import pickle
+import select
 import socket
 import struct
 import threading
@@ -57,6 +62,7 @@ _CALL, _ANSWER = 1, 2
 _SECRET_BYTES = 16
 _CONNECT_TIMEOUT = 10.0
 _SEND_TIMEOUT = 30            # s a frame may wait for room in a peer that reads nothing (frozen); then the lane ends
+_BATCH = 16                   # answers a lane's server keeps back at most while calls still wait to be read
 
 _SWITCH: list[bool] = []                         # set_enabled's override of the environment
 _ENV_ON: list[bool] = []                         # OVERLORD_RPC_LANE as last read
@@ -64,7 +70,7 @@ _LOCK = threading.Lock()
 _ROUTES: dict[str, "Lane | bool | None"] = {}   # RPC worker name -> its lane; False: RPC; None: asked
 _LISTENER: list["_Listener"] = []
 _LANES: list["Lane"] = []                        # every lane this process opened (closed by reset)
-_STATS = {"calls": 0, "served": 0, "opened": 0, "refused": 0, "broken": 0}
+_STATS = {"calls": 0, "served": 0, "answer_writes": 0, "opened": 0, "refused": 0, "broken": 0}
 
 
 def enabled() -> bool:
@@ -84,7 +90,8 @@ def set_enabled(on: bool | None) -> None:
 
 
 def stats() -> dict:
-    """Counters of this process: calls sent on lanes, calls served from them, lanes opened and refused."""
+    """Counters of this process: calls sent on lanes, calls served from them, the writes their answers made
+    (several answers of calls that waited together go in one), lanes opened and refused."""
     with _LOCK:
         return dict(_STATS, routes={k: (v is not None and v is not False) for k, v in _ROUTES.items()})
 
@@ -180,14 +187,34 @@ class _Listener:
         from .wire import discard
 
         lock = threading.Lock()
+        me = threading.get_ident()
+        outbox: list[tuple[list, object]] = []    # answers made on this thread while more calls wait to be read
+        waiting = select.poll()
+        waiting.register(conn, select.POLLIN)
+
+        def send(answers: list[tuple[list, object]]) -> None:
+            try:
+                _send(conn, lock, [part for parts, _ in answers for part in parts])
+            except OSError:              # the caller is gone or reads nothing: its answers and connection go
+                for _, buffer in answers:
+                    discard(buffer)
+                _shut(conn)
+                return
+            with _LOCK:
+                _STATS["answer_writes"] += 1
+
+        def flush() -> None:
+            answers = outbox[:]
+            outbox.clear()
+            send(answers)
 
         def answer(cid: int, packed: tuple) -> None:
             data, buffer = packed
-            try:
-                _send(conn, lock, _parts(_ANSWER, cid, None, data, buffer))
-            except OSError:              # the caller is gone or reads nothing: its answer and connection go
-                discard(buffer)
-                _shut(conn)
+            got = (_parts(_ANSWER, cid, None, data, buffer), buffer)
+            if threading.get_ident() == me:
+                outbox.append(got)       # sent once no call waits (with the others: one write, one wake-up)
+            else:
+                send([got])
 
         try:
             conn.settimeout(_CONNECT_TIMEOUT)
@@ -196,12 +223,18 @@ class _Listener:
                     _STATS["refused"] += 1
                 return
             _bounded(conn)
+            batched = None               # the method of the calls whose answers wait in the outbox
             while True:
                 _, cid, address, data, buffer = _read_frame(conn)
                 key, caller, seq, method = address
                 with _LOCK:
                     _STATS["served"] += 1
+                if outbox and method != batched:
+                    flush()              # answers wait only behind calls like theirs (a commit may build a step)
+                batched = method
                 dispatch(key, caller, seq, method, data, buffer, lambda packed, cid=cid: answer(cid, packed), here=True)
+                if outbox and (len(outbox) >= _BATCH or not waiting.poll(0)):
+                    flush()
         except (OSError, EOFError):
             pass                          # the caller left (or this group ended): nothing to answer
         except Exception as e:            # noqa: BLE001 - a frame that does not parse: drop this caller
@@ -279,21 +312,36 @@ class Lane:
         return True
 
     def _read(self) -> None:
+        """Complete calls as their answers come; answers already there to read are read first and completed
+        together."""
+        waiting = select.poll()
+        waiting.register(self.sock, select.POLLIN)
+        done: list[tuple] = []
         try:
             while True:
                 _, cid, _, data, buffer = _read_frame(self.sock)
                 with self.lock:
                     got = self.pending.pop(cid, None)
                 if got is not None:
-                    try:
-                        got[0]((data, buffer))
-                    except Exception:     # noqa: BLE001 - one caller's callback; the lane serves on
-                        log.exception("lane: completing a call from %s failed", self.peer)
+                    done.append((got[0], (data, buffer)))
+                if done and (len(done) >= _BATCH or not waiting.poll(0)):
+                    self._complete(done)
+                    done = []
         except (OSError, EOFError) as e:
+            self._complete(done)
             self._break(EOFError(f"EOF: the lane to {self.peer} closed ({type(e).__name__}: {e})"))
         except Exception as e:            # noqa: BLE001 - an answer that does not parse: this lane is done
+            self._complete(done)
             self._break(ConnectionResetError(f"connection reset: the lane to {self.peer} sent a frame that does "
                                              f"not parse ({type(e).__name__}: {e})"))
+
+    def _complete(self, done: list[tuple]) -> None:
+        """Last first: a caller waiting for these calls in the order it made them wakes once, with all done."""
+        for arrived, packed in reversed(done):
+            try:
+                arrived(packed)
+            except Exception:             # noqa: BLE001 - one caller's callback; the lane serves on
+                log.exception("lane: completing a call from %s failed", self.peer)
 
     def _break(self, exc: BaseException) -> None:
         """Fail every call still waiting (``failed`` maps the text to ``ActorDied``); later calls go by RPC."""
