@@ -240,6 +240,8 @@ class _Listener:
         except Exception as e:            # noqa: BLE001 - a frame that does not parse: drop this caller
             log.warning("lane: dropped a caller whose frame did not parse: %s: %s", type(e).__name__, e)
         finally:
+            for _, buffer in outbox:     # answers kept back for a caller that left: their shared memory
+                discard(buffer)
             with _LOCK:
                 if conn in self.conns:
                     self.conns.remove(conn)
