@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -93,6 +94,41 @@ def test_a_region_is_reused_only_after_the_last_view_is_gone(arena):
     assert ref3[4] == ref[4]                 # freed by the receiver's last view: reused, lowest first
     assert torch.equal(unpack(data3, ref3)["x"], torch.full((1000,), 9))
     del data2, ref2
+
+
+def test_a_receiver_that_exits_gives_its_views_back_and_a_forked_child_frees_nothing(arena, tmp_path):
+    """A receiver that still holds views when it exits normally (a trainer's last batches) frees their regions
+    in the sender's arena, which goes on; a child forked from a receiver frees nothing of what the receiver
+    still reads when the child drops its copies."""
+    data, ref = pack({"x": torch.arange(1000)}, peer="peer")
+    words = shm.current().words
+    msg = tmp_path / "msg.pt"
+    msg.write_bytes(pickle.dumps((data, ref)))
+    code = textwrap.dedent("""
+        import pickle, sys
+        from torchdata_overlord.runtime.wire import unpack
+        data, ref = pickle.loads(open(sys.argv[1], "rb").read())
+        kept = unpack(data, ref)
+        assert int(kept["x"].sum()) == 499500
+    """)
+    done = subprocess.run([sys.executable, "-c", code, str(msg)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert words[ref[4] // 8] == 0                      # the receiver let go of it as it exited
+
+    data, ref = pack({"x": torch.arange(1000)}, peer="peer")
+    kept = unpack(data, ref)
+    pid = os.fork()
+    if pid == 0:                                         # the child: drop its copies of the views, and go
+        del kept
+        gc.collect()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert words[ref[4] // 8] == 1                       # still live: this process reads it
+    assert int(kept["x"].sum()) == 499500
+    del kept
+    gc.collect()
+    assert words[ref[4] // 8] == 0
 
 
 def test_a_full_arena_falls_back_to_the_socket_and_unsent_regions_come_back(arena, monkeypatch):

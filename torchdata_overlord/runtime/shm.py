@@ -48,6 +48,7 @@ sends through shared memory nor accepts a peer's arena); ``OVERLORD_RPC_SHM_MIB`
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import mmap
 import os
@@ -245,7 +246,8 @@ def reset() -> None:
         a.close()
 
 
-os.register_at_fork(after_in_child=lambda: (_ARENA.clear(), _ATTACHED.clear(), _PEERS.clear()))
+# a forked child's copies of this process's views must not free what this process still reads (when_gone)
+os.register_at_fork(after_in_child=lambda: (_ARENA.clear(), _ATTACHED.clear(), _PEERS.clear(), _WATCHED.clear()))
 
 
 def _arena() -> _Arena:
@@ -343,6 +345,18 @@ def _gone(ref) -> None:
     got = _WATCHED.pop(id(ref), None)
     if got is not None:
         got[1](*got[2])
+
+
+@atexit.register
+def _exiting() -> None:
+    """At a normal exit, what this process still holds of its peers' arenas goes back to them (as
+    ``weakref.finalize`` does at exit): a trainer's last batches, whose constructor goes on."""
+    while _WATCHED:
+        _, fn, args = _WATCHED.popitem()[1]
+        try:
+            fn(*args)
+        except Exception:                       # noqa: BLE001 - exiting: nothing left to tell
+            pass
 
 
 def _release(states: np.ndarray, word: int) -> None:
