@@ -122,7 +122,7 @@ def test_a_held_record_is_sent_as_the_pickle_made_when_it_was_held(arena):
 
 
 @pytest.mark.parametrize("change", ["set a key", "remove a key", "replace a list item", "append to a list",
-                                    "add in place", "resize", "set_"])
+                                    "add in place", "resize", "set_", "assign .data", "require grad"])
 def test_a_held_record_changed_since_is_sent_as_it_is_now(arena, change):
     """Whatever changed after hold (the dict, one of its lists, a tensor's values or storage), the receiver
     gets the record as it is at the put, not as it was held."""
@@ -139,6 +139,10 @@ def test_a_held_record_changed_since_is_sent_as_it_is_now(arena, change):
         mine["input_ids"].add_(1)
     elif change == "resize":
         mine["scores"].resize_(3)
+    elif change == "assign .data":                       # (bumps no version counter)
+        mine["input_ids"].data = mine["input_ids"].clone() + 1   # (same shape and strides, other memory)
+    elif change == "require grad":
+        mine["scores"].requires_grad_()
     else:
         mine["input_ids"].set_(torch.arange(5))
     expected = {k: (list(v) if type(v) is list else v) for k, v in mine.items()}
@@ -148,7 +152,7 @@ def test_a_held_record_changed_since_is_sent_as_it_is_now(arena, change):
     assert got.keys() == expected.keys()
     for k, v in expected.items():
         if isinstance(v, torch.Tensor):
-            assert torch.equal(got[k], v), k
+            assert torch.equal(got[k], v) and got[k].requires_grad == v.requires_grad, k
         elif isinstance(v, list):
             assert len(got[k]) == len(v) and all(torch.equal(a, b) for a, b in zip(got[k], v)), k
         else:

@@ -164,7 +164,8 @@ class HeldRecord(dict):
     its region): a put to a peer of this host sends that pickle as it is, instead of walking the record and
     placing its tensors one by one during the step. To any other reader it is the dict it holds; pickled any
     other way (or copied), a plain dict. Changed since it was held (a key set or removed, a list's item, a
-    tensor changed in place, resized or ``set_``), it is sent as a plain dict would be."""
+    tensor changed in place, resized, ``set_``, given other ``.data`` or ``requires_grad``), it is sent as a
+    plain dict would be."""
 
     __slots__ = ("_seal",)
 
@@ -174,14 +175,15 @@ class HeldRecord(dict):
 
 class _Seal:
     """What :func:`hold` pickled of a record: the pickle, its region's place, and what it saw (the values by
-    identity, the items of its lists, the tensors' version counters) to tell whether it still holds."""
+    identity, the items of its lists, each tensor's version counter, data pointer, shape and strides) to tell
+    whether it still holds."""
 
     __slots__ = ("place", "blob", "items", "seqs", "tensors")
 
     def __init__(self, record: dict, place: _Place, tensors: list[torch.Tensor]):
         self.place, self.items = place, tuple(record.items())
         self.seqs = tuple((v, tuple(v)) for v in record.values() if type(v) is list)
-        self.tensors = tuple((t, t._version) for t in tensors)
+        self.tensors = tuple((t, t._version, t.data_ptr(), t.shape, t.stride()) for t in tensors)
         f = io.BytesIO()
         _Sealer(f, pickle.HIGHEST_PROTOCOL).dump(record)
         self.blob = f.getvalue()
@@ -197,7 +199,8 @@ class _Seal:
         for seq, items in self.seqs:
             if len(seq) != len(items) or any(a is not b for a, b in zip(seq, items)):
                 return False
-        return all(t._version == v for t, v in self.tensors)
+        return all(t._version == v and t.data_ptr() == ptr and t.shape == shape and t.stride() == stride
+                   and not t.requires_grad for t, v, ptr, shape, stride in self.tensors)
 
 
 _MISSING = object()
