@@ -48,6 +48,10 @@ class Counter:
         time.sleep(seconds)
         return seconds
 
+    def block_then_tensor(self, seconds, n):
+        time.sleep(seconds)
+        return torch.arange(n)
+
     def lane_stats(self):
         return lane.stats()
 
@@ -149,6 +153,12 @@ def test_a_lane_call_times_out_and_the_actor_goes_on(group):
         group.call("slow", "block", 2.0, timeout=0.5).result(30)
     assert time.monotonic() - start < 1.9
     assert group.call("slow", "add", 4, timeout=30).result(40) == 4       # answered once the block ended
+    # the late answer of a call that timed out: its tensors' region in the peer's shared memory is given back
+    freed = shm.stats()["freed"]
+    with pytest.raises(CallTimeout):
+        group.call("slow", "block_then_tensor", 1.0, 50_000, timeout=0.3).result(30)
+    assert group.call("slow", "add", 1, timeout=30).result(40) == 5
+    _until(lambda: shm.stats()["freed"] > freed, 10, "the late answer's region freed")
 
 
 def test_a_connection_without_the_secret_is_served_nothing(group):

@@ -51,6 +51,7 @@ import threading
 
 import torch
 
+from . import shm
 from .switches import env_on
 
 __all__ = ["enabled", "set_enabled", "route", "reset", "stats", "Lane"]
@@ -326,6 +327,8 @@ class Lane:
                     got = self.pending.pop(cid, None)
                 if got is not None:
                     done.append((got[0], (data, buffer)))
+                elif isinstance(buffer, tuple):   # the answer of a call that timed out: its memory back to the peer
+                    shm.receive(buffer)
                 if done and (len(done) >= _BATCH or not waiting.poll(0)):
                     self._complete(done)
                     done = []
