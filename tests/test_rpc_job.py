@@ -227,6 +227,22 @@ def test_a_fetch_forwarded_to_a_dead_constructor_fails_instead_of_hanging(corpus
         transport.stop()
 
 
+def test_a_closed_constructor_leaves_no_build_thread_behind():
+    """close() waits, bounded, for a build already under way on the constructor's build thread: no thread
+    outlives a closed constructor (a test's leftover-thread check met one that was still ending)."""
+    import threading
+    import time
+
+    from torchdata_overlord.runtime.constructor_actor import ConstructorActor
+
+    c = ConstructorActor(7, None, 0, -100, None, None, 5.0)
+    started = threading.Event()
+    c.pool.submit(lambda: (started.set(), time.sleep(0.5)))
+    assert started.wait(10)
+    c.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("overlord-build-7") and t.is_alive()]
+
+
 # ------------------------------------------------------------------------------ RPC (subprocess)
 
 SCRIPT = """

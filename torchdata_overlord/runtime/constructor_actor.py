@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import time
 from typing import Mapping
 
 from ..errors import ConfigError
@@ -32,6 +33,7 @@ from .transport import settle
 __all__ = ["ConstructorActor"]
 
 
+_BUILD_STOP_WAIT = 5.0  # s close() waits for a build under way
 _START = object()      # marks work _progress decided (a build, a forward) in the list it returns: started after the lock
 
 
@@ -312,3 +314,9 @@ class ConstructorActor(RoleActor):
         fail_all(waiting, JobClosed("the job was closed by client 0 (the leader)"))
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+            # a build already running ends on its own (it takes no lock this holds): wait for it, bounded, so
+            # that a closed constructor leaves no thread behind
+            deadline = time.monotonic() + _BUILD_STOP_WAIT
+            for t in list(getattr(self.pool, "_threads", ())):
+                if t is not threading.current_thread():
+                    t.join(max(0.0, deadline - time.monotonic()))
