@@ -1,5 +1,6 @@
 """Held records (runtime/wire.hold, runtime/shm.hold): a sample's tensors put into shared memory ahead of
-its step travel by place, not by copy. They arrive identical (dtypes, shapes, strides); a region is
+its step travel by place, not by copy, and an unchanged held record as the pickle made when it was held
+(a record changed since travels as it is now). They arrive identical (dtypes, shapes, strides); a region is
 reused only once the sender's record and every receiver's views of it are gone, whatever the order;
 a region whose slots are all taken, a tensor moved since it was held, or a full arena fall back to a
 copy; a message never sent gives its slots back; and across processes a receiver's views outlive
