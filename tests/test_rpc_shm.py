@@ -256,3 +256,22 @@ def test_rpc_shm_off_in_the_environment_keeps_every_buffer_on_the_socket(tmp_pat
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_a_call_to_a_closed_job_gives_its_arguments_memory_back(arena):
+    """A call that arrives for an actor of a job already closed is answered with the closing, unread: the
+    shared memory its arguments came in goes back to the caller (it stayed live until the group ended)."""
+    from torchdata_overlord.runtime import _rpc_worker as W
+
+    W._drop("closed-job/")
+    try:
+        data, ref = pack(((torch.arange(5000),), {}), peer="peer")
+        words = shm.current().words
+        assert words[ref[4] // 8] == 1
+        answers = []
+        W.dispatch("closed-job/constructor:0", "caller", 0, "put", data, ref, answers.append)
+        assert len(answers) == 1 and "closed" in str(unpack(*answers[0]).text)
+        assert words[ref[4] // 8] == 0
+    finally:
+        with W._ACTORS_LOCK:
+            W._DROPPED.discard("closed-job/")
