@@ -328,7 +328,10 @@ class Lane:
                 if got is not None:
                     done.append((got[0], (data, buffer)))
                 elif isinstance(buffer, tuple):   # the answer of a call that timed out: its memory back to the peer
-                    shm.receive(buffer)
+                    try:
+                        shm.receive(buffer)
+                    except (OSError, ValueError):  # (its arena cannot be mapped: nothing to free here)
+                        pass
                 if done and (len(done) >= _BATCH or not waiting.poll(0)):
                     self._complete(done)
                     done = []
