@@ -267,7 +267,8 @@ def dispatch(name: str, caller: str, seq: int, method: str, data: bytes, buffer,
     and the actor is idle with nothing queued (no hand-over to the actor's thread)."""
     actor = _actor(name)
     if actor is None:
-        _unread(buffer)
+        if isinstance(buffer, tuple):       # its arguments are never read: their shared memory back to the caller
+            shm.unread(buffer)
         send(pack(_closed_job(name)))
         return
     try:
@@ -276,15 +277,6 @@ def dispatch(name: str, caller: str, seq: int, method: str, data: bytes, buffer,
         method, args, kwargs = None, (e,), {}
     actor.submit(caller, seq, method, args, kwargs, lambda result: send(_packed(result, caller)),
                  inline=here and method in getattr(type(actor.obj), "QUICK_METHODS", ()))
-
-
-def _unread(buffer) -> None:
-    """A call's arguments that will never be read: their shared memory back to the caller (freed here)."""
-    if isinstance(buffer, tuple):
-        try:
-            shm.receive(buffer)
-        except (OSError, ValueError):        # the caller's arena is gone: nothing left to free
-            pass
 
 
 @rpc.functions.async_execution

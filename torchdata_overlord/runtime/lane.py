@@ -328,10 +328,7 @@ class Lane:
                 if got is not None:
                     done.append((got[0], (data, buffer)))
                 elif isinstance(buffer, tuple):   # the answer of a call that timed out: its memory back to the peer
-                    try:
-                        shm.receive(buffer)
-                    except (OSError, ValueError):  # (its arena cannot be mapped: nothing to free here)
-                        pass
+                    shm.unread(buffer)
                 if done and (len(done) >= _BATCH or not waiting.poll(0)):
                     self._complete(done)
                     done = []

@@ -59,7 +59,7 @@ import numpy as np
 
 from .switches import env_on
 
-__all__ = ["enabled", "set_enabled", "reset", "alloc", "hold", "current", "sharing", "free", "receive",
+__all__ = ["enabled", "set_enabled", "reset", "alloc", "hold", "current", "sharing", "free", "receive", "unread",
            "peer_ready", "ShmRef", "stats"]
 
 ENV, SIZE_ENV = "OVERLORD_RPC_SHM", "OVERLORD_RPC_SHM_MIB"
@@ -380,6 +380,15 @@ def receive(ref: ShmRef) -> tuple[np.ndarray | None, list[np.ndarray]]:
         when_gone(regions[-1], _release, peer.states, int(slot))
     _STATS["received"] += 1
     return buf, regions
+
+
+def unread(ref: ShmRef) -> None:
+    """A message this process received but will never read (a late answer, a call to a closed job): what it
+    refers to goes back to its sender now, not when the group ends. An arena that does not map is skipped."""
+    try:
+        receive(ref)
+    except (OSError, ValueError):
+        pass
 
 
 def _probe(pid: int, fd: int, token: str) -> bool:
