@@ -267,8 +267,7 @@ def dispatch(name: str, caller: str, seq: int, method: str, data: bytes, buffer,
     and the actor is idle with nothing queued (no hand-over to the actor's thread)."""
     actor = _actor(name)
     if actor is None:
-        if isinstance(buffer, tuple):       # its arguments are never read: their shared memory back to the caller
-            shm.unread(buffer)
+        shm.unread(buffer)                  # its arguments are never read: their shared memory back to the caller
         send(pack(_closed_job(name)))
         return
     try:

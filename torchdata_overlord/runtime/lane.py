@@ -327,7 +327,7 @@ class Lane:
                     got = self.pending.pop(cid, None)
                 if got is not None:
                     done.append((got[0], (data, buffer)))
-                elif isinstance(buffer, tuple):   # the answer of a call that timed out: its memory back to the peer
+                else:                           # the answer of a call that timed out: its memory back to the peer
                     shm.unread(buffer)
                 if done and (len(done) >= _BATCH or not waiting.poll(0)):
                     self._complete(done)

@@ -382,11 +382,14 @@ def receive(ref: ShmRef) -> tuple[np.ndarray | None, list[np.ndarray]]:
     return buf, regions
 
 
-def unread(ref: ShmRef) -> None:
-    """A message this process received but will never read (a late answer, a call to a closed job): what it
-    refers to goes back to its sender now, not when the group ends. An arena that does not map is skipped."""
+def unread(buffer) -> None:
+    """A message this process received but will never read (a late answer, a call to a closed job): what its
+    buffer refers to goes back to its sender now, not when the group ends (nothing to do for a buffer that is
+    no :data:`ShmRef`). An arena that does not map is skipped."""
+    if not isinstance(buffer, tuple):
+        return
     try:
-        receive(ref)
+        receive(buffer)
     except (OSError, ValueError):
         pass
 

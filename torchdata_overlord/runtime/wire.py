@@ -105,6 +105,11 @@ class _Place:
         self.shape, self.stride = t.shape, t.stride()
         self.args = (name, at, t.numel(), None if plain else tuple(self.shape), None if plain else self.stride)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (the tensor placed here) still lies here as it was held: not moved (``set_``, ``.data``),
+        resized or restrided since."""
+        return t.data_ptr() == self.ptr and t.shape == self.shape and t.stride() == self.stride
+
 
 def _held_tensor(region: int, name: str, at: int, count: int, shape: tuple | None, stride: tuple | None) -> torch.Tensor:
     """A held tensor of the message being unpacked, in the ``region``-th region it names (:func:`_in_region`)."""
@@ -136,7 +141,7 @@ class _Held:
     def place(self, t: torch.Tensor, h: _Place):
         """``t`` pickled as its place (``h``), or None (it is copied): ``t`` moved since (``set_``, an in-place
         resize), another group's arena, or its region's slots all taken."""
-        if h.arena is not self.arena or t.data_ptr() != h.ptr or t.shape != h.shape or t.stride() != h.stride:
+        if h.arena is not self.arena or not h.holds(t):
             return None
         k = self.claim(h)
         return None if k is None else (_held_tensor, (k, *h.args))
@@ -175,15 +180,14 @@ class HeldRecord(dict):
 
 class _Seal:
     """What :func:`hold` pickled of a record: the pickle, its region's place, and what it saw (the values by
-    identity, the items of its lists, each tensor's version counter, data pointer, shape and strides) to tell
-    whether it still holds."""
+    identity, the items of its lists, each tensor's version counter and place) to tell whether it still holds."""
 
     __slots__ = ("place", "blob", "items", "seqs", "tensors")
 
-    def __init__(self, record: dict, place: _Place, tensors: list[torch.Tensor]):
-        self.place, self.items = place, tuple(record.items())
+    def __init__(self, record: dict, tensors: list[torch.Tensor]):
+        self.place, self.items = _PLACES[id(tensors[0])], tuple(record.items())
         self.seqs = tuple((v, tuple(v)) for v in record.values() if type(v) is list)
-        self.tensors = tuple((t, t._version, t.data_ptr(), t.shape, t.stride()) for t in tensors)
+        self.tensors = tuple((t, t._version, _PLACES[id(t)]) for t in tensors)
         f = io.BytesIO()
         _Sealer(f, pickle.HIGHEST_PROTOCOL).dump(record)
         self.blob = f.getvalue()
@@ -199,8 +203,7 @@ class _Seal:
         for seq, items in self.seqs:
             if len(seq) != len(items) or any(a is not b for a, b in zip(seq, items)):
                 return False
-        return all(t._version == v and t.data_ptr() == ptr and t.shape == shape and t.stride() == stride
-                   and not t.requires_grad for t, v, ptr, shape, stride in self.tensors)
+        return all(t._version == v and h.holds(t) and not t.requires_grad for t, v, h in self.tensors)
 
 
 _MISSING = object()
@@ -230,7 +233,7 @@ def _seal(record: dict, tensors: list[torch.Tensor]) -> dict:
         elif type(v) not in _ATOMS and type(v) is not torch.Tensor:
             return record
     out = HeldRecord(record)
-    out._seal = _Seal(record, _PLACES[id(tensors[0])], tensors)
+    out._seal = _Seal(record, tensors)
     return out
 
 
