@@ -123,7 +123,8 @@ def test_a_held_record_is_sent_as_the_pickle_made_when_it_was_held(arena):
 
 
 @pytest.mark.parametrize("change", ["set a key", "remove a key", "replace a list item", "append to a list",
-                                    "add in place", "resize", "set_", "assign .data", "require grad"])
+                                    "add in place", "resize", "set_", "assign .data", "another dtype",
+                                    "require grad"])
 def test_a_held_record_changed_since_is_sent_as_it_is_now(arena, change):
     """Whatever changed after hold (the dict, one of its lists, a tensor's values or storage), the receiver
     gets the record as it is at the put, not as it was held."""
@@ -142,6 +143,8 @@ def test_a_held_record_changed_since_is_sent_as_it_is_now(arena, change):
         mine["scores"].resize_(3)
     elif change == "assign .data":                       # (bumps no version counter)
         mine["input_ids"].data = mine["input_ids"].clone() + 1   # (same shape and strides, other memory)
+    elif change == "another dtype":                      # (same memory, shape and strides; no version bump)
+        mine["input_ids"].data = mine["input_ids"].view(torch.float64)
     elif change == "require grad":
         mine["scores"].requires_grad_()
     else:
@@ -153,7 +156,7 @@ def test_a_held_record_changed_since_is_sent_as_it_is_now(arena, change):
     assert got.keys() == expected.keys()
     for k, v in expected.items():
         if isinstance(v, torch.Tensor):
-            assert torch.equal(got[k], v) and got[k].requires_grad == v.requires_grad, k
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v) and got[k].requires_grad == v.requires_grad, k
         elif isinstance(v, list):
             assert len(got[k]) == len(v) and all(torch.equal(a, b) for a, b in zip(got[k], v)), k
         else:

@@ -98,17 +98,17 @@ class _Place:
     """Where :func:`hold` put a tensor: its region of this process's arena (where the region's bytes start and
     end, from the arena's start), its first element counted from there, and its shape and strides."""
 
-    __slots__ = ("arena", "region", "first", "end", "ptr", "shape", "stride", "args")
+    __slots__ = ("arena", "region", "first", "end", "ptr", "dtype", "shape", "stride", "args")
 
     def __init__(self, arena, region: int, first: int, end: int, t: torch.Tensor, name: str, at: int, plain: bool):
         self.arena, self.region, self.first, self.end, self.ptr = arena, region, first, end, t.data_ptr()
-        self.shape, self.stride = t.shape, t.stride()
+        self.dtype, self.shape, self.stride = t.dtype, t.shape, t.stride()
         self.args = (name, at, t.numel(), None if plain else tuple(self.shape), None if plain else self.stride)
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (the tensor placed here) still lies here as it was held: not moved (``set_``, ``.data``),
-        resized or restrided since."""
-        return t.data_ptr() == self.ptr and t.shape == self.shape and t.stride() == self.stride
+        resized, restrided or viewed as another dtype (``.data = t.view(dtype)``) since."""
+        return t.data_ptr() == self.ptr and t.dtype is self.dtype and t.shape == self.shape and t.stride() == self.stride
 
 
 def _held_tensor(region: int, name: str, at: int, count: int, shape: tuple | None, stride: tuple | None) -> torch.Tensor:
