@@ -352,8 +352,17 @@ def test_broadcast_errors():
         g.distribute("DP").broadcast_at("DP")
     with pytest.raises(ol.ConfigError, match=r"'cp' splits the data when distributing along 'cp'"):
         g.distribute("CP").broadcast_at("CP")
-    # CP ranks of a DP bucket may receive one copy by broadcast
-    assert g.distribute("DP").broadcast_at("CP").broadcast == ("cp",)
+    # under distribute("DP") each CP rank receives its own shard of every row: a broadcast from CP rank 0 would
+    # hand the others rank 0's shard (half of every sequence never trained on), declared before or after distribute
+    with pytest.raises(ol.ConfigError, match=r"broadcast_at\('cp'\) with distribute\('dp'\) on a mesh with cp=2"):
+        g.distribute("DP").broadcast_at("CP")
+    with pytest.raises(ol.ConfigError, match=r"broadcast_at\('cp'\) with distribute\('dp'\)"):
+        g.broadcast_at("CP").distribute("DP").balance("greedy", microbatches=1).plan()
+    # a CP axis of size 1 splits nothing: broadcasting along it is harmless
+    one = graph(ol.ClientPlaceTree(dp=2, cp=1, tp=2), {"a": [1, 2, 3]})
+    assert one.distribute("DP").broadcast_at("CP").broadcast == ("cp",)
+    plan = g.distribute("DP").broadcast_at("TP").balance("greedy", microbatches=1).plan()
+    assert plan.broadcast == ("tp",)
 
 
 # -- render ------------------------------------------------------------------------------------------

@@ -10,11 +10,13 @@ from ...errors import ConfigError
 from ..costs import token_count
 from ..plan import Plan, compute_stats
 from .balance import Assignment
+from .broadcast import check_broadcast
 from .cost import evaluate_cost
 
 
 def _plan_from(g, asg: Assignment) -> Plan:
     lay = g.layout
+    check_broadcast(lay.tree, lay.axis, g.broadcast)     # (a broadcast_at declared before distribute)
     plan = Plan(step=g.step, mesh=lay.tree, axis=lay.axis, buckets=lay.buckets, n_microbatches=asg.n_microbatches,
                 records=g.records, entries=asg.entries, broadcast=g.broadcast, history=list(g.history))
     plan.stats = compute_stats(plan, asg.requested_microbatches, asg.oversize, g.mix_info, asg.max_tokens)
