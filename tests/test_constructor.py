@@ -53,6 +53,12 @@ def data(tmp_path_factory):
     return {"samples": samples, "buffers": buffers, "longest": max(sequence_length(r, IMG) for r in samples.values())}
 
 
+def targets(following: torch.Tensor) -> torch.Tensor:
+    """The labels of tokens whose next tokens are ``following``: those tokens, but IGNORE where one is an
+    image placeholder (never a target)."""
+    return torch.where(following == IMG, torch.full_like(following, IGNORE), following)
+
+
 def full_sequence(rec) -> torch.Tensor:
     """Placeholders then caption ids, written out here (independent of sequence_of)."""
     ids = rec["input_ids"].tolist()
@@ -188,10 +194,11 @@ def check_row_invariants(row, seq_len, mult):
             continue
         if not r:
             continue
-        # labels never cross sequences
+        # labels never cross sequences; an image placeholder is never a target
         assert seg[a:a + r].tolist() == [j] * r
-        assert lm[a:a + r - 1].all() and not lm[a + r - 1]
-        assert torch.equal(lab[a:a + r - 1], ids[a + 1:a + r]) and lab[a + r - 1] == IGNORE
+        want = targets(ids[a + 1:a + r])
+        assert torch.equal(lm[a:a + r - 1], want != IGNORE) and not lm[a + r - 1]
+        assert torch.equal(lab[a:a + r - 1], want) and lab[a + r - 1] == IGNORE
     assert torch.equal(lab[~lm], torch.full_like(lab[~lm], IGNORE))
 
 
@@ -254,8 +261,9 @@ def check_plan(plan, outs, samples, seq_len=None):
         assert n % (2 * k) == 0 and n - T < 2 * k
         assert torch.equal(merged["input_ids"][:T], piece) and (merged["input_ids"][T:] == PAD).all()
         assert merged["position_ids"].tolist() == list(range(n))
-        assert torch.equal(merged["labels"][:T - 1], piece[1:]) and (merged["labels"][T - 1:] == IGNORE).all()
-        assert merged["loss_mask"][:T - 1].all() and not merged["loss_mask"][T - 1:].any()
+        assert torch.equal(merged["labels"][:T - 1], targets(piece[1:])) and (merged["labels"][T - 1:] == IGNORE).all()
+        assert torch.equal(merged["loss_mask"][:T - 1], targets(piece[1:]) != IGNORE)
+        assert not merged["loss_mask"][T - 1:].any()
         pieces[key][p] = piece
     # split pieces concatenate back to the full sequence; truncated samples are prefixes
     for key, ps in pieces.items():
@@ -588,6 +596,9 @@ def reference_rows(plan, bucket, samples, seq_len, image_token_id):
         for j, fields in overrides.items():
             for f, v in fields.items():
                 row[f][cu[j]:cu[j + 1]] = v
+        hit = row["labels"] == IMG            # an image placeholder is never a target
+        row["labels"][hit] = IGNORE
+        row["loss_mask"][hit] = False
         rows.append(row)
     return rows, cp
 

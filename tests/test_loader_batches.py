@@ -83,7 +83,7 @@ def test_cp_ranks_get_an_equal_share_of_every_sequence(corpus, seq_len):
     sum 0) while the other got every real token, and padding was a sequence of its own."""
     mesh = ol.ClientPlaceTree(dp=2, cp=2)
     cp = 2
-    starved = checked = 0
+    starved = checked = images = 0
     for step, item in enumerate(run(corpus, dp_text, mesh, 3, seq_len)):
         for dp in range(2):
             clients = [item[mesh.rank(dp=dp, cp=r)] for r in range(cp)]
@@ -112,14 +112,18 @@ def test_cp_ranks_get_an_equal_share_of_every_sequence(corpus, seq_len):
                     a = cu_p[j]
                     assert row["segment_ids"][a:a + length] == [j] * length
                     assert row["position_ids"][a:cu_p[j + 1]] == list(range(cu_p[j + 1] - a))
-                    assert row["labels"][a:a + length - 1] == row["input_ids"][a + 1:a + length]
-                    assert all(row["loss_mask"][a:a + length - 1]) and not row["loss_mask"][a + length - 1]
+                    # the next token, never an image placeholder
+                    want = [IGNORE if t == corpus.image_token_id else t for t in row["input_ids"][a + 1:a + length]]
+                    assert row["labels"][a:a + length - 1] == want
+                    assert row["loss_mask"][a:a + length - 1] == [t != IGNORE for t in want]
+                    assert not row["loss_mask"][a + length - 1]
+                    images += corpus.image_token_id in row["input_ids"][a:a + length]
                     checked += 1
                 pad = [i for i, s in enumerate(row["segment_ids"]) if s < 0]
                 assert len(pad) == n - sum(real)
                 assert {row["input_ids"][i] for i in pad} <= {PAD} and {row["labels"][i] for i in pad} <= {IGNORE}
                 assert not any(row["loss_mask"][i] for i in pad)
-    assert checked > 20 and starved == 0
+    assert checked > 20 and starved == 0 and images > 0
 
 
 # -- item 13: the batch contract ----------------------------------------------------------------

@@ -83,7 +83,8 @@ class Microbatch(TypedDict):
     input_ids: NotRequired[Annotated[Tensor, Field(Tensor, torch.int64, _TOKEN, "pad_id", "data",
                                                    "token ids (image placeholders = image_token_id)")]]
     labels: NotRequired[Annotated[Tensor, Field(Tensor, torch.int64, _TOKEN, -100, "data; metadata on the last "
-                                                "pipeline stage", "next token within the sequence, else -100")]]
+                                                "pipeline stage", "next token within the sequence, else -100 (also where that "
+                                                "token is an image placeholder: never a target)")]]
     loss_mask: NotRequired[Annotated[Tensor, Field(Tensor, torch.bool, _TOKEN, False, "as labels",
                                                    "True where labels is a real target")]]
     position_ids: Annotated[Tensor, Field(Tensor, torch.int64, _TOKEN, "counting on", doc="position in its sequence")]

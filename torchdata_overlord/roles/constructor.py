@@ -426,7 +426,19 @@ class DataConstructor:
                 self._override_spans(arrays, at, ss, row["cu_seqlens_padded"].tolist())
                 row.update({k: torch.from_numpy(arrays[k][at:at + length]) for k in PER_TOKEN_FIELDS})
             at += length
+        if self.image_token_id is not None:
+            self._no_placeholder_targets(arrays)
         return splits
+
+    def _no_placeholder_targets(self, arrays: dict) -> None:
+        """An image placeholder is never a target: where ``labels`` is ``image_token_id`` (the token before an
+        image's run and every token of the run but its last), it becomes ``ignore_index`` and ``loss_mask`` False,
+        as LLaVA-style trainers mask image positions (the rows' tensors are views of these arrays)."""
+        labels = arrays["labels"]
+        hit = labels == self.image_token_id
+        if hit.any():
+            labels[hit] = self.ignore_index
+            arrays["loss_mask"][hit] = False
 
     @staticmethod
     def _shards(row: dict, arrays: dict, at: int, n: int, scalars: list) -> list[dict]:
