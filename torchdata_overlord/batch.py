@@ -11,8 +11,10 @@ this rank receives (from the step's plan):
   trainer broadcasts the data from rank 0 of that axis.
 
 Every delivery has the same keys. With an encoder module in the plan (``plan(encoder=...)``),
-``batch["encoder"]`` holds the images this rank's encoder bucket embeds (:class:`EncoderPart`, or
-None), whatever its backbone delivery; without one it is None.
+``batch["encoder"]`` holds the images this rank's encoder bucket embeds (:class:`EncoderPart`; its lists
+empty when the bucket embeds no image this step), whatever its backbone delivery; it is None on a rank
+whose encoder delivery is ``"none"`` (a ``broadcast_at`` receiver of the encoder module), and without an
+encoder module.
 
 Each microbatch is one packed row (:class:`Microbatch`) in TransformerEngine's THD layout: its
 sequences back to back, ``cu_seqlens`` (real lengths, what attention covers) and
@@ -133,7 +135,8 @@ class Batch(TypedDict):
     delivery: Annotated[Literal["data", "metadata", "none"], Field(str, doc="see the module docstring")]
     microbatches: Annotated[list[Microbatch] | None, Field(list, when="delivery != 'none' (else None)",
                                                             doc="this rank's microbatches, in order")]
-    encoder: Annotated[EncoderPart | None, Field(dict, when="encoder module (else None; None: embeds nothing)",
+    encoder: Annotated[EncoderPart | None, Field(dict, when="encoder module, not a broadcast receiver of it "
+                                                           "(else None); empty lists: no image this step",
                                                  doc="the images this rank's encoder bucket embeds")]
 
 
