@@ -481,6 +481,25 @@ def test_empty_microbatch_is_a_padding_row(data):
                 assert mb["input_ids"].numel() == (seq_len or 4) // 2 and (mb["segment_ids"] == -1).all()
 
 
+def test_a_microbatch_of_empty_samples_is_a_padding_row_too(data):
+    """A microbatch whose samples have no token (empty texts, no BOS/EOS) is as long as an empty one:
+    2*cp padding tokens per row (1 without CP), never a row of length 0; its samples stay listed, each an
+    empty entry."""
+    empty = {ol.SampleKey("web", i): {"input_ids": torch.zeros(0, dtype=torch.int64)} for i in range(2)}
+    buffers = [ol.BufferMeta.from_samples("web", [{"index": k.index, "tokens": 0} for k in empty])]
+    for cp in (1, 2):
+        mesh = ol.ClientPlaceTree(dp=1, cp=cp)
+        plan = ol.Planner(lambda g: g.distribute("DP").plan_raw(lambda gg: [[[0, 1]]]), mesh,
+                          global_batch=2).plan(buffers)
+        row = 2 * cp if cp > 1 else 1
+        for r, out in DataConstructor(None, PAD, IGNORE).build(plan, 0, empty).items():
+            (mb,) = out["microbatches"]
+            assert mb["sample_keys"] == ["web:0", "web:1"]
+            assert mb["input_ids"].numel() == row // cp and (mb["segment_ids"] == -1).all()
+            assert not mb["loss_mask"].any()
+            assert mb["cu_seqlens_padded"].tolist() == [0, 0, 0, row] and mb["cu_seqlens"].tolist() == [0, 0, 0, 0]
+
+
 def test_missing_sample_names_the_key_and_the_step(data):
     plan = make_plan(data, ol.ClientPlaceTree(dp=2), dp_strategy())
     key = plan.bucket_microbatches(1)[0][0].key

@@ -352,9 +352,10 @@ class DataConstructor:
     def _layout(self, plan: Plan, bucket: int, m: int, segs: list[_Segment], cp: int) -> tuple[list[int], list[int]]:
         """Real and padded lengths of a microbatch's entries in its packed row (the trailing padding entry included)."""
         mult = 2 * cp if cp > 1 else 1                 # every sequence padded to a multiple of 2*cp (THD with CP)
-        seq_len = self.seq_len if self.seq_len is not None or segs else mult   # an empty microbatch: padding
         lengths = [len(s.ids) for s in segs]
         padded = [s.padded if s.padded is not None else -(-n // mult) * mult for s, n in zip(segs, lengths)]
+        # a microbatch with no token (none planned, or only empty samples): one padding row, never length 0
+        seq_len = self.seq_len if self.seq_len is not None or sum(padded) else mult
         try:
             length = _row_length(lengths, padded, seq_len, mult)
         except OversizeSampleError as e:
