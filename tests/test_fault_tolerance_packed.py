@@ -155,3 +155,18 @@ def test_shadows_placed_beside_their_primaries_are_named():
         ["web", "caps"]
     assert RoleConfig(["web", "caps"], None, mesh, 8, None, shadows=True,
                       plan=Placement.from_dict(explicit((1, 1), True))).shadows_beside_primaries(2) == []
+
+
+def test_a_placement_sets_the_constructor_count_and_a_mismatch_is_named():
+    """A Placement places one process per Data Constructor: without ``constructors=`` the job has as many as it
+    places; ``constructors=`` that disagrees is a ConfigError before any role starts (a KeyError on
+    'constructor:1' in start_roles before)."""
+    mesh = ol.ClientPlaceTree(dp=2)
+    one = Placement({n: SourcePlacement(n, 1, 0, (0,), -1, "test") for n in ("web", "caps")}, 1, 0, (0,), {},
+                    method="explicit")
+    assert RoleConfig(["web", "caps"], None, mesh, 8, None, plan=one).constructors == 1
+    with pytest.raises(ol.ConfigError, match=r"the placement places 1 Data Constructor\(s\) but the job has "
+                                             r"constructors=2: .* or pass constructors=1"):
+        RoleConfig(["web", "caps"], None, mesh, 8, None, constructors=2, plan=one)
+    assert RoleConfig(["web", "caps"], None, mesh, 8, None, plan=Placement.from_dict(explicit((1, 1), False))
+                      ).constructors == 2

@@ -160,12 +160,18 @@ class RoleConfig:
         if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
             raise ConfigError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
         dp = self.mesh.sizes.get("dp", 1)
-        if self.constructors is None:
-            self.constructors = dp
+        placed = None if self.plan is None else len(self.plan.constructors)
+        if self.constructors is None:       # one per DP group, or as many as a given placement places
+            self.constructors = dp if placed is None else placed
         c = self.constructors
         if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= dp or dp % c:
             raise ConfigError(f"constructors={c!r} does not fit the mesh ({self.mesh.describe()}): give a divisor of "
-                              f"dp={dp} (one Data Constructor per DP group is {dp}; fewer share groups)")
+                              f"dp={dp} (one Data Constructor per DP group is {dp}; fewer share groups)"
+                              + ("" if placed is None else f"; the placement places {placed}"))
+        if placed is not None and placed != c:
+            raise ConfigError(f"the placement places {placed} Data Constructor(s) but the job has constructors={c}: "
+                              f"place one process per constructor (Placement.constructors) or pass "
+                              f"constructors={placed}")
         self.parts = Parts(self.names, {n: self.get(self.actors, n, 1) for n in self.names},
                            {n: self.get(self.buffer_size, n, self.global_batch) for n in self.names})
         if isinstance(self.clients, bool) or not isinstance(self.clients, int) or not 1 <= self.clients:
