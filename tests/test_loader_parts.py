@@ -11,11 +11,13 @@ uneven sizes) and a transform that skips some rows under ``on_error="skip"``.
 from __future__ import annotations
 
 import copy
+import glob
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import torchdata_overlord as ol
 from torchdata_overlord.plane.records import BufferMeta
 from torchdata_overlord.roles.loader_parts import merge_states, part_keys
 from torchdata_overlord.roles.source_loader import SourceLoader
@@ -147,3 +149,36 @@ def test_a_state_saved_under_one_split_resumes_under_another(corpus):
     tail, _ = _job_outputs(corpus, 7, state=mid, actors={"web": 2, "caps": 3})
     for a, b in zip(tail, ref[5:]):
         assert_identical(a, b)
+
+
+def _one_source(g):
+    return g.mix({"s": 1.0}).distribute("DP").balance("greedy", microbatches=1).plan()
+
+
+def test_stats_of_a_source_split_over_loader_actors_are_the_sources_own(files, tmp_path):
+    """``stats()["sources"]`` is keyed by source even when a source is split over loader actors: the parts'
+    counts add up, each part's own stats under ``"parts"``, and a file skipped whole (every part opens every
+    file) counts once (before: only ``"s@0of3"``... keys, and the file counted three times)."""
+    from torchdata_overlord.runtime.local import LocalJob
+
+    bad = tmp_path / "zz_truncated.parquet"
+    data = open(sorted(glob.glob(files))[0], "rb").read()
+    bad.write_bytes(data[: len(data) // 2])
+    paths = sorted(glob.glob(files)) + [str(bad)]
+    job = LocalJob([ParquetSource("s", paths, _transform, seed=3, on_error="skip")], _one_source,
+                   ol.ClientPlaceTree(dp=2), 8, None, actors={"s": 3})
+    try:
+        for _ in range(6):
+            job.step()
+        got = job.stats()["sources"]
+    finally:
+        job.close()
+    assert list(got) == ["s"]
+    s = got["s"]
+    assert sorted(s["parts"]) == part_keys("s", 3)
+    parts = list(s["parts"].values())
+    assert all(p["skipped_files"] == {str(bad): 1} for p in parts)
+    assert s["skipped_files"] == {str(bad): 1}
+    assert s["skipped"] == sum(p["skipped"] for p in parts) - 2 > 1          # rows the transform failed on, too
+    assert s["skipped_distinct"] == sum(p["skipped_distinct"] for p in parts) - 2
+    assert s["served"] == sum(p["served"] for p in parts) and s["buffered"] == sum(p["buffered"] for p in parts)

@@ -292,7 +292,8 @@ class SourceLoader(BaseNode[tuple]):
 
     def stats(self) -> dict:
         """Buffer size and bytes, samples served, row groups read, epochs started, exhaustion, and the exact skip counts
-        (``skipped``: files/rows skipped, once per epoch; ``skipped_distinct``: how many files/rows)."""
+        since this loader started (``skipped``: files/rows skipped, once per epoch; ``skipped_distinct``: how many
+        files/rows; ``skipped_files``: the files skipped whole)."""
         return {"buffered": len(self._buffer), "buffer_bytes": self.buffer_bytes, "served": self.served,
                 "row_groups_read": getattr(self.source, "reads", None),
                 "epochs_started": list(self.epochs_started), "exhausted": self.exhausted,

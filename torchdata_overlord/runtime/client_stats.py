@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import copy
 import os
 
+from ..roles.loader_parts import part_keys
 from .procstats import process_memory
 from .refs import PLANNER, ActorRef, constructor_actor, loader_actor, shadow_actor
 from .transport import ActorDied, CallTimeout
@@ -51,7 +52,8 @@ def job_stats(job) -> dict:
     procs[os.getpid()] = process_memory()
     spare_pids = job.transport.worker_pids[job.n_workers:] if job.client == 0 and job.spares else []
     replaced = info.get("replaced", {})
-    return {"sources": {n: of(loader_actor(n)) for n in info["loaders"]}, "planner": of(PLANNER),
+    return {"sources": by_source({n: of(loader_actor(n)) for n in info["loaders"]}, info.get("parts", {})),
+            "planner": of(PLANNER),
             "client": {"client": job.client, "fetches": job.fetches, "faults": copy.deepcopy(job.faults)},
             "constructors": {r: of(r) for r in roles if r.startswith("constructor:")},
             "roles": pids, "processes": procs, "spares": spare_pids, "unanswered": unanswered,
@@ -59,6 +61,47 @@ def job_stats(job) -> dict:
             "loader_parts": dict(info.get("parts", {})),
             "role_recovery": {r: {"actor": a, "pid": pids.get(r), "recoveries": replaced.get(r, 0)}
                               for r, a in roles.items()}}
+
+
+_SUMMED = ("buffered", "buffer_bytes", "served", "row_groups_read")
+
+
+def by_source(loaders: dict[str, dict], counts: dict[str, int]) -> dict[str, dict]:
+    """Per-loader stats -> per-source stats: a source split over ``k`` loader actors (``counts``; keys
+    ``source@jofk``) gets its parts' stats merged, each part's own under ``"parts"``. Counts add up; a file
+    skipped whole is skipped by every part (each opens every file), so it is counted once."""
+    out: dict[str, dict] = {}
+    for source, k in counts.items():
+        keys = part_keys(source, k)
+        if k == 1 or not all(key in loaders for key in keys):
+            out.update({key: loaders[key] for key in keys if key in loaders})
+            continue
+        parts = {key: loaders[key] for key in keys}
+        merged: dict = {"parts": parts}
+        if any("error" in st for st in parts.values()):
+            merged["error"] = "; ".join(f"{key}: {st['error']}" for key, st in parts.items() if "error" in st)
+            out[source] = merged
+            continue
+        for f in _SUMMED:
+            got = [st.get(f) for st in parts.values()]
+            merged[f] = None if any(v is None for v in got) else sum(got)
+        merged["epochs_started"] = sorted({e for st in parts.values() for e in st.get("epochs_started", ())})
+        merged["exhausted"] = any(st.get("exhausted") for st in parts.values())
+        files: dict[str, int] = {}
+        skipped = distinct = 0
+        for st in parts.values():
+            whole = st.get("skipped_files", {})
+            skipped += st.get("skipped", 0) - sum(whole.values())
+            distinct += st.get("skipped_distinct", 0) - len(whole)
+            for f, n in whole.items():
+                files[f] = max(files.get(f, 0), n)
+        merged.update(skipped=skipped + sum(files.values()), skipped_distinct=distinct + len(files),
+                      skipped_files=files)
+        out[source] = merged
+    for key, st in loaders.items():       # (a loader the counts do not name: as it is)
+        if not any(key in part_keys(s, k) for s, k in counts.items()):
+            out[key] = st
+    return out
 
 
 def snapshot(job) -> dict | None:

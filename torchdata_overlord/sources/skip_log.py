@@ -87,6 +87,8 @@ class SkipLog:
             return [{k: v for k, v in e.items() if k != "last_epoch"} for e in self._entries.values()]
 
     def stats(self) -> dict:
-        """``{"skipped": total, "skipped_distinct": files/rows}``, exact."""
+        """``{"skipped": total, "skipped_distinct": files/rows, "skipped_files": {file: count}}``, exact; the
+        last lists the files skipped whole (unreadable, or without a projected column)."""
         with self._lock:
-            return {"skipped": self.total, "skipped_distinct": len(self._entries)}
+            return {"skipped": self.total, "skipped_distinct": len(self._entries),
+                    "skipped_files": {f: e["count"] for (f, row), e in self._entries.items() if row is None}}
