@@ -21,6 +21,8 @@ from _support import graph, make_buffers
     ({"a": math.inf}, r"weight of source 'a' is inf; weights must be finite"),
     ({"a": 0, "b": 0.0}, r"all weights are zero; at least one source must have a positive weight"),
     ({"a": "lots"}, r"weight of source 'a' is 'lots', not a number"),
+    ({"a": "0.5", "b": 1}, r"weight of source 'a' is '0.5', not a number"),    # float() would take it
+    ({"a": True, "b": 1}, r"weight of source 'a' is True, not a number"),
     ({}, r"weights must be a non-empty dict"),
 ])
 def test_bad_weights(weights, pattern):

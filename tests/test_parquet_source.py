@@ -336,6 +336,8 @@ def test_bad_arguments_are_refused(data):
         ParquetSource("s", data, on_error="ignore")
     with pytest.raises(ConfigError, match="epochs"):
         ParquetSource("s", data, epochs=0)
+    with pytest.raises(ConfigError, match=r"epochs must be None \(forever\) or an int >= 1, got True"):
+        ParquetSource("s", data, epochs=True)          # a bool is an int to isinstance
     with pytest.raises(ConfigError, match="seed"):
         ParquetSource("s", data, seed=-1)
     with pytest.raises(ConfigError, match="no paths"):

@@ -12,6 +12,8 @@ import json
 import math
 from typing import Callable, Mapping
 
+import numpy as np
+
 from ..errors import ConfigError
 
 __all__ = ["Schedule", "Constant", "Piecewise", "Linear", "Cosine", "FromCallable", "Dynamic",
@@ -25,6 +27,8 @@ def validate_weights(weights: Mapping[str, float], where: str) -> dict[str, floa
     out = {}
     for name, w in weights.items():
         try:
+            if isinstance(w, (str, bytes, bool, np.bool_)):     # float() would take "0.5" and True
+                raise TypeError
             w = float(w)
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: weight of source {name!r} is {w!r}, not a number") from None

@@ -313,7 +313,7 @@ class ParquetSource:
                  metadata_cache=None, file_table: FileTable | None = None):
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"source {name!r}: on_error must be 'raise' or 'skip', got {on_error!r}")
-        if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
             raise ConfigError(f"source {name!r}: epochs must be None (forever) or an int >= 1, got {epochs!r}")
         if not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ConfigError(f"source {name!r}: seed must be an int >= 0, got {seed!r}")
