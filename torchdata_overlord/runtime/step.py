@@ -44,8 +44,10 @@ def plan_step(planner: Planner, metas: list, feedback: FeedbackLog, exhausted: C
     except BufferShortageError as e:
         done = exhausted()
         if done:
-            raise SourceExhausted(f"step {step}: source(s) {done} finished their configured epochs; the stream "
-                                  f"ends here ({e})") from e
+            short = getattr(e, "source", None)
+            left = f"; {short!r} has {e.have} samples left, the step needs {e.want}" if short in done else ""
+            raise SourceExhausted(f"step {step}: source(s) {done} ran out (finished their configured epochs, or "
+                                  f"their node ended); the stream ends here{left}") from e
         raise
     feedback.drop_through(step)
     return plan

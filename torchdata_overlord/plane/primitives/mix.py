@@ -49,9 +49,11 @@ class Mix:
             want = counts.get(name, 0)
             have = np.flatnonzero(recs.source_id == sid)
             if len(have) < want:
-                raise BufferShortageError(
+                err = BufferShortageError(
                     f"step {ctx.step}: source {name!r} has {len(have)} samples buffered but the schedule asks for "
                     f"{want}; enlarge that Source Loader's buffer or lower its weight")
+                err.source, err.have, err.want = name, len(have), want
+                raise err
             rows.append(have[:want])
         rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
         rows = rows[ctx.rng.permutation(len(rows))]
