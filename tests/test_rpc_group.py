@@ -180,3 +180,52 @@ def test_every_trainer_rank_follows_a_replaced_planner(corpus, tmp_path):
     assert any(rec["how"] == "replaced the Planner" for rec in got[0]["faults"]["recoveries"])
     assert any(rec["how"] == "learned the leader's new Planner" for rec in got[1]["faults"]["recoveries"])
     assert not _alive(got[0]["killed"])
+
+
+class _FailsOnRow3:
+    """A transform that fails on the row numbered 3 (in every source's first buffer)."""
+
+    columns = ["n"]
+
+    def __call__(self, row):
+        if row["n"] == 3:
+            raise ValueError("a planted bad row")
+        return {"input_ids": torch.arange(1, 2 + row["n"] % 5)}
+
+
+def _one_source(g):
+    return g.mix({"bad": 1.0}).distribute("DP").balance("greedy", microbatches=1).plan()
+
+
+def _failing_start_trainer(rank: int, data: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg-bad", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    out = {}
+    try:
+        with ol.OverlordLoader([ParquetSource("bad", data, _FailsOnRow3(), shuffle=False)], _one_source,
+                               ol.ClientPlaceTree(dp=2), rank=rank, global_batch=4, seq_len=None, runtime="rpc",
+                               group="default", n_workers=1, timeout=120) as loader:
+            next(iter(loader))
+    except Exception as e:       # noqa: BLE001 - what each rank is told
+        out["error"] = (type(e).__name__, str(e))
+    dist.destroy_process_group()
+    torch.save(out, f"{out_dir}/bad-{rank}.pt")
+
+
+@pytest.mark.slow
+def test_a_start_that_fails_on_rank_0_tells_every_rank_why(tmp_path):
+    """A source failing its first fill makes rank 0's loader raise; the other ranks, waiting to attach to the
+    Planner, are told that error at once (before: a CallTimeout without the cause after the call timeout, and
+    rank 0's close waiting that long for them to leave)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"n": list(range(40))}), tmp_path / "bad.parquet", row_group_size=10)
+    _spawn_group(_failing_start_trainer, (str(tmp_path / "bad.parquet"), str(tmp_path)), 2, timeout=200)
+    got = [torch.load(f"{tmp_path}/bad-{r}.pt", weights_only=False)["error"] for r in range(2)]
+    assert got[0][0] == "SourceReadError" and "bad.parquet row 3" in got[0][1]
+    assert got[1][0] == "JobClosed", got[1]
+    assert "trainer rank 0 could not start the data plane's roles: SourceReadError" in got[1][1]
+    assert "bad.parquet row 3" in got[1][1]

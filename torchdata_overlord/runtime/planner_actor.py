@@ -69,6 +69,7 @@ class PlannerActor(RoleActor):
         self.leader_starts: list[tuple[int, int]] = []  # (generation, start step) of each leader attach
         self.attaches: dict[int, int] = collections.defaultdict(int)
         self.attach_waiting: list[tuple[int, int, int, cf.Future]] = []
+        self.aborted: str | None = None                # why the leader could not start the job (see abort)
         self.planned_steps = 0
         self.recovery = Recovery(self, policy)
         self.ahead = MetadataAhead(self.recovery)
@@ -83,6 +84,8 @@ class PlannerActor(RoleActor):
     def attach(self, client: int, state: dict | None, step: int) -> dict | cf.Future:
         """Start (or restart) a client at consumed ``step``. The leader's ``state`` (None: keep the
         current one) resets every role; the others must start where the leader did."""
+        if self.aborted is not None and client != self.LEADER:
+            raise JobClosed(self.aborted)
         self.attaches[client] += 1
         if client == self.LEADER:
             if state is not None:
@@ -103,6 +106,13 @@ class PlannerActor(RoleActor):
         else:
             self.attach_waiting.append(item)
         return fut
+
+    def abort(self, reason: str) -> None:
+        """The leader could not start the job (a role failed its start-up): every client waiting to attach, and
+        every later one, is answered with ``reason`` at once instead of waiting for an attach that never comes."""
+        self.aborted = str(reason)
+        fail_all([item[3] for item in self.attach_waiting], JobClosed(self.aborted))
+        self.attach_waiting = []
 
     def _answer_attach(self, client: int, count: int, step: int, fut: cf.Future) -> None:
         gen, start = self.leader_starts[count - 1]

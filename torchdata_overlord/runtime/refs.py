@@ -131,6 +131,9 @@ class PlannerRef(ActorRef):
     def attach(self, client, state, step, timeout=None):
         return self._call("attach", client, state, step, timeout=timeout)
 
+    def abort(self, reason, timeout=None):
+        return self._call("abort", reason, timeout=timeout)
+
     def advance(self, gen, step, feedback, timeout=None):
         return self._call("advance", gen, step, list(feedback), timeout=timeout)
 

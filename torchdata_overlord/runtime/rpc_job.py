@@ -130,9 +130,19 @@ class RpcJob(Job):
                 self._fit_workers()
                 start_roles(self.transport, cfg, self.n_workers, self._spare_names(), startup_timeout)
             self._connected()
-        except BaseException:
+        except BaseException as e:
+            if group is not None and self.client == 0 and self.transport is not None:
+                self._abort(f"trainer rank 0 could not start the data plane's roles: {type(e).__name__}: {e}")
             self.close()
             raise
+
+    def _abort(self, reason: str) -> None:
+        """Tell the other trainer ranks, waiting to attach to the Planner, why the job will not start (they would
+        wait for an attach timeout, and rank 0's close for them to leave), if the Planner was started."""
+        try:
+            self.planner.abort(reason, timeout=5.0).result(10.0)
+        except Exception as err:        # noqa: BLE001 - no Planner (it failed first): they learn by their timeout
+            log.debug("could not tell the other ranks why the job did not start: %s", err)
 
     @staticmethod
     def _rank(group) -> int:
