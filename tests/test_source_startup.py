@@ -195,6 +195,34 @@ def test_a_journal_entry_of_a_since_corrupted_file_is_not_trusted(data, tmp_path
     assert [rec["gid"] for _, rec in take(src, N - 7)] == list(range(23)) + list(range(30, N))
 
 
+def test_a_failed_first_opening_leaves_no_journal_that_breaks_a_later_one(tmp_path, counting):
+    """The only file is half uploaded: opening fails naming it, and writes no (empty) journal, so the
+    opening after the upload ends reads the file and works (it used to fail with an IndexError into
+    the empty journal until the cache was deleted). An empty journal left by an older release is
+    ignored the same way."""
+    from torchdata_overlord.sources.metadata_cache import save_journal
+    cache, d = str(tmp_path / "cache"), tmp_path / "data"
+    d.mkdir()
+    whole = write(d / "x.parquet", range(10), 4).read_bytes()
+    (d / "x.parquet").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ConfigError, match=r"x\.parquet: not a readable Parquet file"):
+        ParquetSource("s", str(d / "*.parquet"), metadata_cache=cache)
+    with pytest.raises(ConfigError, match=r"has no rows \(0 usable file\(s\), 1 skipped; first skipped: .*x\.parquet"):
+        ParquetSource("s", str(d / "*.parquet"), on_error="skip", metadata_cache=cache)
+    assert journals(cache) == []
+    (d / "x.parquet").write_bytes(whole)
+    src = counting("s", str(d / "*.parquet"), shuffle=False, metadata_cache=cache)
+    assert counting.opened == ["x.parquet"] and [r["gid"] for _, r in take(src, 10)] == list(range(10))
+    (journal,) = journals(cache)
+    save_journal(str(journal), "parquet", FileTable([], [], [], [], []))
+    counting.opened = []
+    assert counting("s", str(d / "*.parquet"), metadata_cache=cache).num_rows == 10
+    assert counting.opened == ["x.parquet"]
+    counting.opened = []
+    counting("s", str(d / "*.parquet"), metadata_cache=cache)
+    assert counting.opened == []                                    # the journal was rewritten
+
+
 def test_an_unwritable_cache_folder_means_no_journal_logged_once(data, tmp_path, counting, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

@@ -107,6 +107,31 @@ def test_file_source_errors_name_the_file_and_say_what_to_do(tmp_path):
         ol.FileSource("t", glob, format="xml")
 
 
+def test_an_empty_text_file_is_empty_not_unreadable(tmp_path):
+    """An empty or blank JSON Lines/CSV file has no row, as an empty Parquet file: among others it adds
+    nothing (not 'not readable', not 'has no column'); alone, the source has no rows and says which
+    file it is. Journaled like any file: once it gets rows, the next opening reads them."""
+    glob = write(tmp_path / "j", "jsonl")
+    (tmp_path / "j" / "a-empty.jsonl").write_bytes(b"")
+    (tmp_path / "j" / "b-blank.jsonl").write_text("\n\n")
+    (tmp_path / "j" / "c-empty.jsonl.gz").write_bytes(gzip.compress(b""))
+    (tmp_path / "j" / "d-empty.csv").write_bytes(b"")
+    src = ol.FileSource("t", glob, columns=["text"], shuffle=False, epochs=1)
+    assert src.skipped == [] and len(src.files) == FILES + 4
+    assert [r["text"] for _, r in src] == [r["text"] for f in range(FILES) for r in _rows(f)]
+    cache = str(tmp_path / "cache")
+    lone = tmp_path / "lone.jsonl"
+    lone.write_bytes(b"")
+    for _ in range(2):                      # the second opening from the journal: the same error
+        with pytest.raises(ol.ConfigError, match=r"'t' has no rows \(1 usable file\(s\): .*lone\.jsonl, 0 skipped"):
+            ol.FileSource("t", str(lone), columns=["id"], metadata_cache=cache)
+    lone.write_text(json.dumps({"id": 7}) + "\n")
+    assert [r for _, r in ol.FileSource("t", str(lone), columns=["id"], epochs=1, metadata_cache=cache)] == [{"id": 7}]
+    (tmp_path / "broken.arrow").write_bytes(b"")      # an Arrow IPC file always has a schema: 0 bytes is damage
+    with pytest.raises(ol.ConfigError, match=r"broken\.arrow: not a readable Arrow IPC file"):
+        ol.FileSource("t", str(tmp_path / "broken.arrow"))
+
+
 def test_a_file_changed_after_opening_is_an_error_naming_it(tmp_path):
     glob = write(tmp_path, "jsonl")
     src = ol.FileSource("t", glob, shuffle=False)

@@ -39,6 +39,18 @@ def file_format(path: str, given: str | None) -> str:
     raise ConfigError(f"{path}: cannot tell its format from its name; pass format='json', 'csv' or 'arrow'")
 
 
+def _blank(fs: pafs.FileSystem, path: str) -> bool:
+    """Whether the file (decompressed) holds only whitespace; False if it cannot be read."""
+    try:
+        with fs.open_input_stream(path, compression="detect") as stream:
+            while chunk := stream.read(1 << 16):
+                if chunk.strip():
+                    return False
+        return True
+    except (pa.ArrowException, OSError):
+        return False
+
+
 class FileSource(ParquetSource):
     """One source's JSON Lines (``.jsonl``, ``.json``, ``.ndjson``), CSV (``.csv``) or Arrow IPC
     (``.arrow``, ``.feather``, ``.ipc``) files, each possibly ``.gz``; ``format=`` overrides the
@@ -76,10 +88,14 @@ class FileSource(ParquetSource):
             return pacsv.read_csv(stream, read_options=pacsv.ReadOptions(use_threads=False))
 
     def _open_file(self, fs: pafs.FileSystem, path: str, shown: str) -> tuple[tuple, list[str]]:
-        """Parse the whole file once: its row count and columns (ConfigError naming it if unreadable)."""
+        """Parse the whole file once: its row count and columns (ConfigError naming it if unreadable). An
+        empty (or blank) JSON Lines/CSV file has no row and no column, as an empty Parquet file has no row:
+        pyarrow refuses it, but it is not damaged."""
         try:
             table = self._read_table(fs, path, shown)
         except (pa.ArrowException, OSError) as e:
+            if file_format(shown, self.format) != "arrow" and isinstance(e, pa.ArrowInvalid) and _blank(fs, path):
+                return (0,), []
             raise ConfigError(f"{shown}: not a readable {_NAMES[file_format(shown, self.format)]} file "
                               f"({type(e).__name__}: {e}); fix or remove it, or pass on_error='skip'") from e
         return (table.num_rows,), list(table.column_names)

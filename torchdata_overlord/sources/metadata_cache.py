@@ -14,7 +14,8 @@ kind and the sorted shown paths, replaced atomically (temporary file + ``os.repl
 per source path entries (a glob, a folder: what ``paths`` resolved to), the name of the journal last
 written for them, so a folder that gained or lost files starts from its previous journal (which the
 new one then replaces). A journal that cannot be read or parsed is ignored and rewritten; a
-directory that cannot be written means no journal (logged once, at debug level).
+directory that cannot be written means no journal (logged once, at debug level). An opening that
+found no usable file (every one unreadable) writes no journal: there is nothing to remember.
 """
 
 from __future__ import annotations

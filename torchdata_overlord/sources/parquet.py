@@ -424,7 +424,7 @@ class ParquetSource:
         found = at >= 0
         j = np.where(found, at, 0)
         hit = found & (mtime >= 0)
-        if old is not None and n:
+        if old is not None and len(old):         # an empty journal (older releases wrote them) has nothing to index
             hit &= (np.asarray(old.size, np.int64)[j] == size) & (np.asarray(old.mtime, np.int64)[j] == mtime)
         if old is not None and hit.all() and old.shown == shown:
             groups, names = old.groups, old.names              # the usual case: nothing changed
@@ -443,14 +443,17 @@ class ParquetSource:
         ok = [i for i in range(n) if groups[i] is not None]
         table = FileTable(shown, listing.size, listing.mtime, groups, names, (), listing.filesystems, listing.fs_index)
         keep = [i for i in ok if mtime[i] >= 0]
-        if journal is not None and (any(groups[i] is not None and mtime[i] >= 0 for i in todo) or old is None
-                                    or len(old.shown) != len(keep) or old.shown != [shown[i] for i in keep]):
-            save_journal(journal, kind, table.take(keep), pointer)        # something new, or another file set
+        # something new, or another file set; never an empty journal (nothing to remember: keep the previous one)
+        if journal is not None and keep and (any(groups[i] is not None and mtime[i] >= 0 for i in todo)
+                                             or old is None or len(old.shown) != len(keep)
+                                             or old.shown != [shown[i] for i in keep]):
+            save_journal(journal, kind, table.take(keep), pointer)
         # errors and files without a projected column, in file order
         missing_of: dict[int, list] = {}
         for nm in {id(x): x for x in names if x is not None}.values():
             missing_of[id(nm)] = [c for c in self.columns or () if c not in nm]
-        bad = sorted([*errors, *(i for i in ok if missing_of[id(names[i])])])
+        # a file with neither rows nor columns (an empty JSON Lines/CSV file) lacks no column: it is just empty
+        bad = sorted([*errors, *(i for i in ok if missing_of[id(names[i])] and (names[i] or any(groups[i])))])
         for i in bad:
             if i in errors:
                 if self.on_error == "raise":
@@ -521,7 +524,8 @@ class ParquetSource:
         if offset == 0:
             skipped = self.skips.entries
             first = f"; first skipped: {skipped[0]['file']}: {skipped[0]['error']}" if skipped else ""
-            raise ConfigError(f"source {self.name!r} has no rows ({nfiles} usable file(s), "
+            empty = f": {t.shown[0]}" + (f" and {nfiles - 1} more" if nfiles > 1 else "") if nfiles else ""
+            raise ConfigError(f"source {self.name!r} has no rows ({nfiles} usable file(s){empty}, "
                               f"{len(skipped)} skipped{first}); point it at non-empty {self.FORMAT} files")
         self.num_rows = offset  # rows per epoch
         self._fingerprint = {"name": self.name, "seed": self.seed, "shuffle": self.shuffle, "columns": self.columns}
