@@ -238,3 +238,32 @@ def test_readme_documents_every_key_of_the_contract():
         missing = set(fields(contract)) - documented
         assert not missing, f"README's batch section does not mention {sorted(missing)} of {contract.__name__}"
     assert typing.get_type_hints(ol.Microbatch)          # the TypedDicts resolve for type checkers too
+
+
+def one_web(g):
+    return g.mix({"web": 1.0}).distribute("DP").balance("greedy", microbatches=1).plan()
+
+
+def test_a_text_holding_the_image_placeholder_literally_is_named(corpus, tmp_path):
+    """A text with the placeholder piece in it ('<image>', a user-defined symbol of the tokenizer) tokenizes to
+    image_token_id with no image behind it; with image_token_id given, the loader refuses that row, naming the
+    file and row, instead of packing a placeholder a model would fill with another sample's image features."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"plain text number {i}" for i in range(12)]
+    texts[5] = "a caption that says <image> where no image is"
+    pq.write_table(pa.table({"text": texts}), tmp_path / "web.parquet", row_group_size=4)
+    src = [ol.ParquetSource("web", str(tmp_path / "web.parquet"), Tokenize(corpus.spm_model, field="text"),
+                            shuffle=False)]
+    assert corpus.image_token_id in Tokenize(corpus.spm_model, field="text")({"text": texts[5]})["input_ids"].tolist()
+    with pytest.raises(ol.OverlordError, match=rf"source 'web': sample 5 \(.*web\.parquet row 5\) has the image "
+                                               rf"placeholder id {corpus.image_token_id} in its text"):
+        with ol.OverlordLoader(src, one_web, ol.ClientPlaceTree(dp=1), rank=0, global_batch=4, seq_len=None,
+                               image_token_id=corpus.image_token_id, prefetch=0) as loader:
+            for _ in zip(range(3), loader):     # rows 4-7 come with the first refill
+                pass
+    # a text-only job (no image_token_id) has no placeholder: the same row is plain text there
+    with ol.OverlordLoader(src, one_web, ol.ClientPlaceTree(dp=1), rank=0, global_batch=12, seq_len=None,
+                           prefetch=0) as loader:
+        assert len(next(iter(loader))["microbatches"][0]["sample_keys"]) == 12

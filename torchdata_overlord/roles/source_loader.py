@@ -26,7 +26,7 @@ from torchdata.nodes import BaseNode
 
 from ..errors import ConfigError
 from ..plane.records import BufferMeta
-from ..sources.base import SKIPPED, positions
+from ..sources.base import SKIPPED, SourceReadError, positions
 from .constructor import sequence_length
 from .meta_slots import MetaSlots
 
@@ -205,6 +205,8 @@ class SourceLoader(BaseNode[tuple]):
         rows: list[tuple] = []
         try:
             for e in kept:
+                if self.image_token_id is not None and e[1] is not _PLACE:
+                    self._no_stray_placeholder(e[0], e[1], raws)
                 rows.append((0, 0, 0, 0.0) if e[1] is _PLACE else self._meta_row(e[1]))
         finally:        # (the rows before one whose metadata raised are buffered, as when each was at once)
             slots = self._meta.put(rows, [e[4] for e in kept[:len(rows)]])
@@ -212,6 +214,24 @@ class SourceLoader(BaseNode[tuple]):
                 self._buffer[index] = (rec, before, seq, slot, order)
         if not self._buffer:            # nothing buffered: the state moves past what was read
             self._base, self._taken = self._here(), {}
+
+    def _no_stray_placeholder(self, index: int, record, raws: list) -> None:
+        """Refuse a record whose text ids hold the image placeholder (its text has the placeholder piece, e.g.
+        ``<image>``, literally): the row would carry a placeholder with no image behind it, which shifts or
+        breaks a model that fills placeholders with image features in order."""
+        ids = record.get("input_ids") if type(record) is dict else None
+        if type(ids) is not torch.Tensor or ids.dtype is not torch.int64:
+            return
+        found = ids.numpy() == self.image_token_id if ids.dim() == 1 else None
+        if found is not None and found.any():
+            hit = found.nonzero()[0]
+            where = next((r[2] for r in raws if r[0] == index), None)
+            at = f"{where[0]} row {where[1]}" if isinstance(where, tuple) and len(where) >= 2 else f"item {where}"
+            raise SourceReadError(
+                f"source {self.name!r}: sample {index} ({at}) has the image placeholder id {self.image_token_id} in its "
+                f"text at token {int(hit[0])} ({len(hit)} in all) but no image there: its text holds the placeholder "
+                f"piece literally (e.g. '<image>'); remove or escape it in the text (in the transform) or use a "
+                f"placeholder that cannot occur in text")
 
     def _meta_row(self, record) -> tuple[int, int, int, float]:
         """(tokens with image placeholders, images, patches, sum of squared patches), computed once."""
