@@ -3,8 +3,11 @@ gzip) and NodeSource (any stateful torchdata node). Real files written by pyarro
 
 from __future__ import annotations
 
+import csv
 import gzip
+import io
 import json
+import pickle
 import random
 import subprocess
 import sys
@@ -58,6 +61,8 @@ def test_file_source_reads_every_row_once_per_epoch(tmp_path, fmt):
     assert isinstance(src, ol.Source) and src.num_rows == FILES * ROWS
     got = [rec for _, rec in src]
     expected = [r for f in range(FILES) for r in _rows(f)]
+    if fmt == "csv":                                   # a CSV cell is the text in the file
+        expected = [{k: str(v) for k, v in r.items()} for r in expected]
     assert got == expected + expected                  # shuffle=False: file order, then row order
 
 
@@ -65,7 +70,7 @@ def test_file_source_reads_every_row_once_per_epoch(tmp_path, fmt):
 def test_file_source_shuffles_by_seed_and_resumes_exactly_at_random_points(tmp_path, fmt):
     glob = write(tmp_path, fmt)
     make = lambda: ol.FileSource("t", glob, columns=["id"], seed=3)   # noqa: E731
-    full = [rec["id"] for _, (_, rec) in zip(range(3 * FILES * ROWS), make())]
+    full = [int(rec["id"]) for _, (_, rec) in zip(range(3 * FILES * ROWS), make())]   # CSV: the text
     assert sorted(full[:FILES * ROWS]) == sorted(r["id"] for f in range(FILES) for r in _rows(f))
     assert full[:FILES * ROWS] != full[FILES * ROWS:2 * FILES * ROWS]   # a new order in the next epoch
     rng = random.Random(fmt)
@@ -76,7 +81,7 @@ def test_file_source_shuffles_by_seed_and_resumes_exactly_at_random_points(tmp_p
         state = torch.load(_saved(a.state_dict()), weights_only=True)
         b = make()
         b.load_state_dict(state)
-        assert [rec["id"] for _, (_, rec) in zip(range(3 * FILES * ROWS - k), b)] == full[k:], k
+        assert [int(rec["id"]) for _, (_, rec) in zip(range(3 * FILES * ROWS - k), b)] == full[k:], k
 
 
 def _saved(state):
@@ -145,13 +150,155 @@ def test_transform_errors_name_file_and_row(tmp_path):
     glob = write(tmp_path, "csv")
 
     def fails_on_7(row):
-        if row["id"] % 1000 == 7:
+        if int(row["id"]) % 1000 == 7:                  # a CSV cell: the text in the file
             raise ValueError("bad row")
         return row
     with pytest.raises(ol.SourceReadError, match=r"part-0\.csv row 7 .*ValueError: bad row"):
         list(ol.FileSource("t", glob, fails_on_7, shuffle=False, epochs=1))
     src = ol.FileSource("t", glob, fails_on_7, shuffle=False, epochs=1, on_error="skip")
     assert len(list(src)) == FILES * ROWS - FILES and len(src.skipped) == FILES
+
+
+# -- CSV cells as text ---------------------------------------------------------------------------
+
+# columns pyarrow.csv's inference would retype or null: leading zeros and exponents (a float column),
+# booleans and null markers (a bool column), and text
+CODES = ["00123", "1e3", "007", "-0", "3.10", "NaN"]
+FLAGS = ["true", "NA", "null", "", "FALSE", "N/A"]
+TEXTS = ["00123", "1e3", "true", "NA", "null", "", "2024-01-02", " 42 ", "0x1F", "1,5", 'say "hi"', "#N/A"]
+
+
+def _csv_rows(f: int, n: int = ROWS) -> list[dict]:
+    """Rows whose cells are all strings as the CSV file holds them (``id`` keeps its leading zeros)."""
+    return [{"id": f"{f:02d}{r:04d}", "code": CODES[(f + r) % len(CODES)],
+             "text": TEXTS[(3 * r + f) % len(TEXTS)] + " " + str(r)[:1] * (r % 2), "flag": FLAGS[r % len(FLAGS)]}
+            for r in range(n)]
+
+
+def write_csv(tmp: Path, gz: bool = False, files: int = FILES, quote_all: bool = False) -> str:
+    """CSV files written by Python's csv module (not pyarrow: no schema behind them); returns the glob."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        buf = io.StringIO(newline="")
+        w = csv.DictWriter(buf, fieldnames=["id", "code", "text", "flag"],
+                           quoting=csv.QUOTE_ALL if quote_all else csv.QUOTE_MINIMAL, lineterminator="\n")
+        w.writeheader()
+        w.writerows(_csv_rows(f))
+        data = buf.getvalue().encode()
+        (tmp / f"part-{f}.csv{'.gz' if gz else ''}").write_bytes(gzip.compress(data) if gz else data)
+    return str(tmp / "*")
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["csv", "csv.gz"])
+@pytest.mark.parametrize("quote_all", [False, True], ids=["minimal-quotes", "all-quoted"])
+def test_csv_cells_arrive_as_the_exact_text_in_the_file(tmp_path, gz, quote_all):
+    src = ol.FileSource("t", write_csv(tmp_path, gz, quote_all=quote_all), shuffle=False, epochs=1)
+    got = [rec for _, rec in src]
+    expected = [r for f in range(FILES) for r in _csv_rows(f)]
+    assert got == expected
+    assert all(type(v) is str for rec in got for v in rec.values())          # no float, bool or None
+    assert [rec["code"] for rec in got[:6]] == ["00123", "1e3", "007", "-0", "3.10", "NaN"]
+    assert [rec["flag"] for rec in got[:6]] == ["true", "NA", "null", "", "FALSE", "N/A"]
+    assert got[0]["id"] == "000000"
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["csv", "csv.gz"])
+def test_csv_the_reported_file_reads_as_written_and_infer_is_the_old_reading(tmp_path, gz):
+    data = "code,text\n00123,NA\n00042,null\n007,\n1e3,true\n".encode()
+    (tmp_path / f"x.csv{'.gz' if gz else ''}").write_bytes(gzip.compress(data) if gz else data)
+    glob = str(tmp_path / "x.csv*")
+    assert [rec for _, rec in ol.FileSource("t", glob, shuffle=False, epochs=1)] == [
+        {"code": "00123", "text": "NA"}, {"code": "00042", "text": "null"}, {"code": "007", "text": ""},
+        {"code": "1e3", "text": "true"}]
+    assert [rec for _, rec in ol.FileSource("t", glob, shuffle=False, epochs=1, csv_convert_options="infer")] == [
+        {"code": 123.0, "text": None}, {"code": 42.0, "text": None}, {"code": 7.0, "text": None},
+        {"code": 1000.0, "text": True}]
+
+
+def test_csv_rows_reach_tokenize_without_being_skipped(tmp_path):
+    """The user's report: "NA"/"null"/"" texts were None, so Tokenize failed and on_error='skip' dropped them."""
+    def to_text(row):
+        if not isinstance(row["text"], str) or not isinstance(row["code"], str):
+            raise TypeError(f"must be a string, got {row['text']!r}, {row['code']!r}")
+        return {"input_ids": torch.tensor([ord(c) for c in row["code"] + row["text"]], dtype=torch.int64)}
+    src = ol.FileSource("t", write_csv(tmp_path), to_text, shuffle=False, epochs=1, on_error="skip")
+    assert len(list(src)) == FILES * ROWS and src.skipped == []
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["csv", "csv.gz"])
+def test_csv_resumes_exactly_mid_file_and_rebuilds_from_spec_args(tmp_path, gz):
+    glob = write_csv(tmp_path, gz)
+    make = lambda **kw: ol.FileSource("t", glob, seed=5, **kw)   # noqa: E731
+    n = 2 * FILES * ROWS
+    full = [rec for _, (_, rec) in zip(range(n), make())]
+    assert sorted(full[:FILES * ROWS], key=lambda r: r["id"]) == [r for f in range(FILES) for r in _csv_rows(f)]
+    for k in [5, ROWS + 3, FILES * ROWS + ROWS // 2]:                  # mid-file, in both epochs
+        a = make()
+        for _ in zip(range(k), a):
+            pass
+        state = torch.load(_saved(a.state_dict()), weights_only=True)
+        b = make()
+        b.load_state_dict(state)
+        assert [rec for _, (_, rec) in zip(range(n - k), b)] == full[k:], k
+        rebuilt = pickle.loads(pickle.dumps(SourceSpec.from_source(a))).build()      # the rpc runtime's way
+        assert rebuilt.csv_convert_options is None
+        assert [rec for _, (_, rec) in zip(range(n - k), rebuilt)] == full[k:], k
+        # row counts and positions are those of pyarrow's inference: its states resume here too
+        c = make(csv_convert_options="infer")
+        for _ in zip(range(k), c):
+            pass
+        assert c.state_dict() == a.state_dict() and c.num_rows == a.num_rows
+        d = make()
+        d.load_state_dict(c.state_dict())
+        assert [rec for _, (_, rec) in zip(range(n - k), d)] == full[k:], k
+
+
+def test_csv_as_text_without_default_column_type(tmp_path, monkeypatch):
+    """pyarrow < 26 has no ConvertOptions(default_column_type=): every header name is typed a string."""
+    from torchdata_overlord.sources import files
+    glob = write_csv(tmp_path, gz=True)
+    expected = [rec for _, rec in ol.FileSource("t", glob, shuffle=False, epochs=1, metadata_cache=False)]
+    monkeypatch.setattr(files, "_DEFAULT_COLUMN_TYPE", False)
+    src = ol.FileSource("t", glob, shuffle=False, epochs=1, metadata_cache=False)
+    assert [rec for _, rec in src] == expected == [r for f in range(FILES) for r in _csv_rows(f)]
+
+
+def test_csv_convert_options_opt_into_pyarrow_conversion(tmp_path):
+    glob = write_csv(tmp_path)
+    first = lambda src: next(iter(src))[1]                  # noqa: E731
+    inferred = first(ol.FileSource("t", glob, shuffle=False, csv_convert_options="infer"))
+    assert inferred == {"id": 0, "code": 123.0, "text": "00123 ", "flag": True}
+    opts = pacsv.ConvertOptions(column_types={"id": pa.int64()}, null_values=["NA", "null", ""],
+                                strings_can_be_null=True)
+    src = ol.FileSource("t", glob, shuffle=False, csv_convert_options=opts)
+    rows = [rec for _, (_, rec) in zip(range(6), src)]
+    assert [r["id"] for r in rows] == list(range(6)) and rows[0]["code"] == 123.0     # the rest inferred
+    assert [r["flag"] for r in rows] == ["true", None, None, None, "FALSE", "N/A"]   # null where asked
+    assert isinstance(src.spec_args()[2]["csv_convert_options"], dict)     # a ConvertOptions does not pickle
+    rebuilt = pickle.loads(pickle.dumps(SourceSpec.from_source(src))).build()      # at row 6, as src
+    ref = [rec for _, (_, rec) in zip(range(6 + ROWS),
+                                      ol.FileSource("t", glob, shuffle=False, csv_convert_options=opts))]
+    assert [repr(rec) for _, (_, rec) in zip(range(ROWS), rebuilt)] == [repr(rec) for rec in ref[6:]]   # nan
+    as_dict = first(ol.FileSource("t", glob, shuffle=False, csv_convert_options={"column_types": {"id": pa.int64()}}))
+    assert as_dict["id"] == 0 and as_dict["code"] == 123.0
+    with pytest.raises(ol.ConfigError, match=r"source 't': csv_convert_options must be None .*'infer'.*got 'strings'"):
+        ol.FileSource("t", glob, csv_convert_options="strings")
+    with pytest.raises(ol.ConfigError, match=r"csv_convert_options is not valid pyarrow.csv.ConvertOptions "
+                                             r"\(TypeError: .*bogus"):
+        ol.FileSource("t", glob, csv_convert_options={"bogus": 1})
+    with pytest.raises(ol.ConfigError, match=r"csv_convert_options is for CSV files; this source reads format='json'"):
+        ol.FileSource("t", glob, format="json", csv_convert_options="infer")
+    with pytest.raises(ol.ConfigError, match=r"part-0\.csv: not a readable CSV file .*ArrowInvalid"):
+        ol.FileSource("t", glob, csv_convert_options={"column_types": {"code": pa.int64()}})
+
+
+def test_json_lines_keep_their_types_beside_csv_as_text(tmp_path):
+    rows = [{"code": "00123", "n": 5, "x": None, "b": True, "f": 1e3},
+            {"code": "NA", "n": 6, "x": 1.5, "b": False, "f": 2.0}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "b.csv").write_text("code,n\n00123,5\n")
+    src = ol.FileSource("t", [str(tmp_path / "a.jsonl"), str(tmp_path / "b.csv")], shuffle=False, epochs=1)
+    assert [rec for _, rec in src] == rows + [{"code": "00123", "n": "5"}]
 
 
 # -- NodeSource ----------------------------------------------------------------------------------
