@@ -2,8 +2,8 @@
 
 The real case runs as a user would: a training script (``python train.py``) that defines its
 strategy, or a transform class, inside ``if __name__ == "__main__":``. The variants (an
-interactive ``__main__``, an ``else:`` branch, a ``*`` import) are checked in this process against
-a ``__main__`` module built from a real script file.
+interactive ``__main__``, an ``else:`` branch, a ``*`` import, ``python -m pkg``) are checked in this process
+against a ``__main__`` module built from a real script file; a script that star-imports its helpers runs for real.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from pathlib import Path
 
@@ -143,9 +144,66 @@ def test_guarded_name_is_refused_other_module_level_names_pass(fake_main):
         check_loadable(getattr(main, name), "the strategy")
 
 
-def test_a_star_import_makes_it_unknowable_so_nothing_is_refused(fake_main):
-    main = fake_main(MAIN)
-    check_loadable(main.guarded, "the strategy")       # `from json import *` might bind it: let the roles tell
+def test_a_star_import_is_read_from_its_module_not_taken_as_binding_everything(fake_main):
+    """``from json import *`` binds json's public names, not ``guarded``: a guarded function or class is
+    still refused (before, any ``*`` import let everything through, and the roles failed minutes later)."""
+    main = fake_main(MAIN + textwrap.dedent("""
+        if __name__ == "__main__":
+            class Guarded:
+                pass
+
+            class JSONDecoder:                   # json's name: the roles would find json's class instead
+                pass
+    """))
+    with pytest.raises(ol.ConfigError, match=r"`guarded` is defined inside `if __name__ == \"__main__\":`"):
+        check_loadable(main.guarded, "the strategy")
+    with pytest.raises(ol.ConfigError, match=r"`Guarded` is defined inside .*move `Guarded` above the guard"):
+        check_loadable(main.Guarded, "the strategy")
+    with pytest.raises(ol.ConfigError, match=r"they would find the `JSONDecoder` of `from json import \*` instead"):
+        check_loadable(main.JSONDecoder, "the strategy")
+    for name in ("top", "in_except"):
+        check_loadable(getattr(main, name), "the strategy")
+
+
+def test_a_star_import_of_a_module_not_imported_here_leaves_a_guarded_class_to_the_roles(fake_main, tmp_path,
+                                                                                        monkeypatch):
+    (tmp_path / "helper_for_star.py").write_text("def helper():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    main = fake_main("from helper_for_star import *\nif __name__ == '__main__':\n    class Guarded:\n        pass\n")
+    monkeypatch.delitem(sys.modules, "helper_for_star")
+    check_loadable(main.Guarded, "the strategy")       # what the unread `*` binds is unknown: let the roles tell
+
+
+def test_a_guarded_function_is_refused_whatever_the_top_level_binds_to_its_name(fake_main):
+    main = fake_main(textwrap.dedent("""
+        def register(f):
+            return f
+
+        transform = registered = None            # the roles would find these, not the guarded functions
+
+        if __name__ == "__main__":
+            @register                            # its code starts at this line, above the `def`
+            def registered(x):
+                return x
+
+            def transform(row):
+                return row
+    """))
+    for obj, name in ((main.transform, "transform"), (main.registered, "registered")):
+        with pytest.raises(ol.ConfigError, match=rf"`{name}` is defined inside `if __name__ == \"__main__\":`"):
+            check_loadable(obj, "the strategy")
+
+
+def test_a_package_main_run_with_dash_m_is_refused_even_at_module_level(fake_main, monkeypatch):
+    """multiprocessing does not import ``pkg/__main__.py`` again in its children: nothing defined there loads."""
+    main = fake_main(MAIN.replace("from json import *\n", ""))
+    monkeypatch.setattr(main, "__spec__", types.SimpleNamespace(name="pkg.__main__", origin=main.__file__),
+                        raising=False)
+    with pytest.raises(ol.ConfigError, match=r"run as `python -m pkg`, which role processes do not import.*move "
+                                             r"`top` into another module"):
+        check_loadable(main.top, "the strategy")
+    monkeypatch.setattr(main, "__spec__", types.SimpleNamespace(name="train", origin=main.__file__))
+    check_loadable(main.top, "the strategy")           # `python -m train`: imported again, as __mp_main__
 
 
 def test_interactive_main_is_refused(fake_main):
@@ -160,6 +218,11 @@ def test_a_transform_referring_to_a_guarded_class_is_refused_in_role_config(fake
             class Upper:
                 def __call__(self, row):
                     return row
+
+            from torchdata_overlord.sources import ParquetSource
+
+            class MySource(ParquetSource):
+                pass
     '''))
     pq.write_table(pa.table({"n": [1, 2]}), tmp_path / "s.parquet")
     src = ol.ParquetSource("s", str(tmp_path / "s.parquet"), main.Upper())
@@ -167,6 +230,11 @@ def test_a_transform_referring_to_a_guarded_class_is_refused_in_role_config(fake
         RoleConfig([src], top_level_strategy, ol.ClientPlaceTree(dp=1), 2, None)
     with pytest.raises(ol.ConfigError, match="must pickle"):
         RoleConfig([src], lambda g: g, ol.ClientPlaceTree(dp=1), 2, None)
+    mine = main.MySource("s", str(tmp_path / "s.parquet"))
+    with pytest.raises(ol.ConfigError, match=r"the class of source 's' to its role processes: `MySource` is defined"):
+        RoleConfig([mine], top_level_strategy, ol.ClientPlaceTree(dp=1), 2, None)
+    RoleConfig([ol.ParquetSource("s", str(tmp_path / "s.parquet"))], top_level_strategy, ol.ClientPlaceTree(dp=1), 2,
+               None)
 
 
 def top_level_strategy(g):
@@ -180,6 +248,69 @@ def test_a_module_no_new_process_can_import_is_refused(tmp_path, monkeypatch):
     pickle.dumps(mod.strategy)                         # it pickles here...
     with pytest.raises(ol.ConfigError, match=r"module 'made_in_memory', which a new process cannot import"):
         check_loadable(mod.strategy, "the strategy")   # ...but a role process could not import it
+
+
+# ---- a user's script: helpers star-imported, a transform defined under the guard ----------------------------
+
+HELPER = SCRIPT.split("\n\nif __name__")[0]
+STAR_SCRIPT = '''
+import json, sys, time
+
+from helper import *
+
+if __name__ == "__main__":
+    def local_tx(row):
+        return ModuleTransform()(row)
+
+    results = {}
+    t0 = time.monotonic()
+    attempt(results, "nested def", local_tx, module_strategy)
+    results["seconds"] = time.monotonic() - t0
+    with open(sys.argv[2], "w") as f:
+        json.dump(results, f)
+'''
+
+
+def _processes_with(marker: str) -> list[int]:
+    """The processes whose environment carries ``marker`` (whatever a test's subprocess started inherits it)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_a_transform_defined_under_the_guard_of_a_script_with_a_star_import_is_refused_at_once(tmp_path):
+    """The user's case: ``from helper import *`` at the top, ``def local_tx`` under the guard. It pickles here
+    as ``__main__.local_tx``; before, the check let it through (a ``*`` import might bind anything) and
+    ~2 minutes later the Planner's process failed with ``Can't get attribute 'local_tx' on __mp_main__``."""
+    pq.write_table(pa.table({"n": list(range(8))}), tmp_path / "s.parquet")
+    (tmp_path / "helper.py").write_text(HELPER)
+    script = tmp_path / "train.py"
+    script.write_text(STAR_SCRIPT)
+    out = tmp_path / "out.json"
+    key, value = "TDO_LOADABLE_TEST", f"{os.getpid()}-{tmp_path.name}"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "s.parquet"), str(out)], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", key: value},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    msg = got["nested def"]
+    assert msg.startswith("ConfigError: runtime='rpc' cannot send the transform of source 's' to its role "
+                          "processes: `local_tx` is defined inside `if __name__ == \"__main__\":` in "
+                          f"{script}"), msg
+    assert "move `local_tx` above the guard, to module level (or into a module the script imports)" in msg
+    assert got["nested def:children"] == 0 and "overlord-actors" not in proc.stderr   # no role process started
+    assert got["seconds"] < 30, got                     # refused at once, not after the roles' start-up timeout
+    deadline = time.monotonic() + 60                    # the fork server (started early) ends with the script,
+    while _processes_with(f"{key}={value}") and time.monotonic() < deadline:    # once its preload imports are done
+        time.sleep(0.2)
+    assert _processes_with(f"{key}={value}") == []
 
 
 # ---- a script that builds its loader outside the guard -------------------------------------------------------

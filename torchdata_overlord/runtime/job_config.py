@@ -183,6 +183,10 @@ class RoleConfig:
                 check_loadable(spec.transform, f"the transform of source {spec.name!r}")
             if callable(spec.paths):
                 check_loadable(spec.paths, f"the node factory of source {spec.name!r}")
+            if spec.cls is not None:
+                check_loadable(spec.cls, f"the class of source {spec.name!r}")
+            settings = {k: v for k, v in spec.kwargs.items() if k != "file_table"}     # (the file table: data)
+            check_loadable(settings, f"the settings of source {spec.name!r}", must_pickle=False)
 
     @property
     def names(self) -> list[str]:

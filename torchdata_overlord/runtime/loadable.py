@@ -6,8 +6,11 @@ script the way ``multiprocessing`` does: under another name, without running its
 ``if __name__ == "__main__":`` block. So a strategy defined in that block pickles fine here and
 then fails there, deep in a nested RPC traceback. This module finds every function and class the
 pickle refers to (one pickling pass, no new interpreter) and reads the main script's syntax tree
-to see whether each ``__main__`` name is bound outside the guard. For the same reason a script must build
-its rpc loader under that guard: :func:`check_main_guarded` says so before anything starts (else every role
+to see whether each ``__main__`` name is bound outside the guard: a function whose code lies in a guarded
+block is refused whatever else the script binds to its name, and the names of a ``from module import *``
+outside the guard are read from that module (imported here already). A main module multiprocessing does not
+import again (``python -m pkg``: ``pkg/__main__.py``) can give the roles nothing. For the same reason a script
+must build its rpc loader under that guard: :func:`check_main_guarded` says so before anything starts (else every role
 process would build one as it imports the script).
 """
 
@@ -28,31 +31,35 @@ __all__ = ["check_loadable", "check_main_guarded"]
 
 
 class _RefPickler(pickle.Pickler):
-    """A pickler that notes the ``(module, qualname)`` of every function and class it saves by name."""
+    """A pickler that notes every function and class it saves by name: ``(module, qualname) -> object``."""
 
     def __init__(self, file):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.refs: set[tuple[str | None, str]] = set()
+        self.refs: dict[tuple[str | None, str], object] = {}
 
     def reducer_override(self, obj):
         if isinstance(obj, (type, types.FunctionType)):
-            self.refs.add((getattr(obj, "__module__", None), obj.__qualname__))
+            self.refs.setdefault((getattr(obj, "__module__", None), obj.__qualname__), obj)
         return NotImplemented
 
 
-def check_loadable(obj, what: str) -> None:
+def check_loadable(obj, what: str, must_pickle: bool = True) -> None:
     """Raise :class:`ConfigError` (one line: what to move where) if a role process could not load
-    ``obj``: it does not pickle, or it refers to a name defined under the main script's
-    ``if __name__ == "__main__":`` (or in an interactive ``__main__``), or to a module a fresh
-    process cannot import. ``what`` names it in the message (``"the strategy"``)."""
+    ``obj``: it does not pickle, or it refers to a function or class defined under the main script's
+    ``if __name__ == "__main__":`` (or in an interactive ``__main__``, or in a main module role processes
+    do not import), or to a module a fresh process cannot import. ``what`` names it in the message
+    (``"the strategy"``). ``must_pickle=False``: an object that does not pickle here passes (the start of
+    the roles, which pickles it again, says why)."""
     pickler = _RefPickler(io.BytesIO())
     try:
         pickler.dump(obj)
     except Exception as e:          # noqa: BLE001 - any pickling failure: say what to do
+        if not must_pickle:
+            return
         raise ConfigError(f"runtime='rpc' sends {what} to its role processes, so it must pickle (define it at module "
                           f"level, not as a closure or lambda): {type(e).__name__}: {e}") from e
-    for module, qualname in sorted(pickler.refs, key=str):
-        problem = _unloadable(module, qualname)
+    for (module, qualname), ref in sorted(pickler.refs.items(), key=lambda kv: str(kv[0])):
+        problem = _unloadable(module, qualname, ref)
         if problem:
             raise ConfigError(f"runtime='rpc' cannot send {what} to its role processes: {problem}")
 
@@ -106,11 +113,12 @@ def _guarded_lines(path: str, mtime_ns: int) -> list[tuple[int, int]] | None:
     tree = _script_tree(path, mtime_ns)
     if tree is None:
         return None
-    return [(node.body[0].lineno, node.body[-1].end_lineno) for node in ast.walk(tree)
-            if isinstance(node, ast.If) and _is_main_guard(node.test)]
+    return [(min([node.body[0].lineno] + [d.lineno for d in getattr(node.body[0], "decorator_list", ())]),
+             node.body[-1].end_lineno) for node in ast.walk(tree)
+            if isinstance(node, ast.If) and _is_main_guard(node.test)]     # (a decorated def starts at its decorator)
 
 
-def _unloadable(module: str | None, qualname: str) -> str | None:
+def _unloadable(module: str | None, qualname: str, obj=None) -> str | None:
     """Why a fresh role process could not find ``module.qualname`` (None: it can, or we cannot tell)."""
     if module is None:
         return None
@@ -128,28 +136,102 @@ def _unloadable(module: str | None, qualname: str) -> str | None:
             return (f"`{qualname}` comes from module {module!r}, which a new process cannot import ({why}); "
                     f"define it in an importable module")
         return None
-    path = _main_path(sys.modules.get("__main__"))
+    main = sys.modules.get("__main__")
+    path = _main_path(main)
     top = qualname.split(".")[0]
     if path is None:
         return (f"`{qualname}` is defined in an interactive `__main__` (no file), which role processes cannot "
                 f"import; move `{top}` into a .py module and import it from there")
-    outside, guarded = _main_names(path, os.stat(path).st_mtime_ns)
-    if outside is not None and top in guarded and top not in outside:
+    run_as = _main_not_imported(main, path)
+    if run_as:
+        return (f"`{qualname}` is defined in {path}, {run_as}, which role processes do not import (multiprocessing "
+                f"does not run it again); move `{top}` into another module and import it from there")
+    mtime = os.stat(path).st_mtime_ns
+    moved = (f"move `{top}` above the guard, to module level (or into a module the script imports)")
+    if _defined_under_guard(obj, path, mtime):     # a function whose code lies in a guarded block
         return (f"`{qualname}` is defined inside `if __name__ == \"__main__\":` in {path}, which role processes "
-                f"import without running that block; move `{top}` above the guard, to module level")
+                f"import without running that block; {moved}")
+    outside, guarded, stars = _main_names(path, mtime)
+    if outside is None or top in outside:
+        return None
+    starred = _star_binding(main, stars, top)
+    if starred is None:                            # a `*` import we cannot read might bind it
+        return None
+    module_name, value = starred
+    if value is not _MISSING:                      # what the role processes find: that module's, not ours
+        for part in qualname.split(".")[1:]:
+            value = getattr(value, part, _MISSING)
+        if value is obj or obj is None:
+            return None
+        return (f"`{qualname}` is defined inside `if __name__ == \"__main__\":` in {path}, which role processes "
+                f"import without running that block (they would find the `{top}` of `from {module_name} import *` "
+                f"instead); {moved}")
+    if top in guarded:
+        return (f"`{qualname}` is defined inside `if __name__ == \"__main__\":` in {path}, which role processes "
+                f"import without running that block; {moved}")
     return None
 
 
+_MISSING = object()
+
+
+def _main_not_imported(main, path: str) -> str | None:
+    """How the main module was run when role processes do not import it at all (None: they run it as
+    ``__mp_main__``, without its guarded block). multiprocessing's ``spawn.prepare`` (fork server and spawn
+    alike) skips a package's ``__main__`` (``python -m pkg``) and a script named ``ipython``."""
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        if name == "__main__" or name.endswith(".__main__"):
+            return (f"run as `python -m {name.rsplit('.', 1)[0]}`" if name != "__main__"
+                    else "the `__main__.py` of a folder or zip run as a script")
+        return None
+    if os.path.splitext(os.path.basename(path))[0] == "ipython":
+        return "the ipython launcher"
+    return None
+
+
+def _defined_under_guard(obj, path: str, mtime_ns: int) -> bool:
+    """Whether ``obj`` is a function whose code is in the main script, on a line of an
+    ``if __name__ == "__main__":`` block (whatever the script binds to its name elsewhere)."""
+    code = getattr(obj, "__code__", None) if isinstance(obj, types.FunctionType) else None
+    if code is None or os.path.abspath(code.co_filename) != os.path.abspath(path):
+        return False
+    guarded = _guarded_lines(path, mtime_ns)
+    return bool(guarded) and any(a <= code.co_firstlineno <= b for a, b in guarded)
+
+
+def _star_binding(main, stars: tuple, name: str):
+    """``(module, value)``: the last ``from module import *`` outside the guard that binds ``name``
+    (``_MISSING`` as value: none does); None when one of them cannot be read (not imported here)."""
+    package = getattr(main, "__package__", None)
+    found: tuple = ("", _MISSING)
+    for level, module in stars:
+        try:
+            full = importlib.util.resolve_name("." * level + (module or ""), package) if level else module
+        except (ImportError, ValueError):
+            return None
+        mod = sys.modules.get(full)
+        if mod is None:
+            return None
+        public = getattr(mod, "__all__", None)
+        exported = name in public if public is not None else not name.startswith("_")
+        value = getattr(mod, name, _MISSING) if exported else _MISSING
+        if value is not _MISSING:
+            found = (full, value)
+    return found
+
+
 @lru_cache(maxsize=8)
-def _main_names(path: str, mtime_ns: int) -> tuple[frozenset | None, frozenset]:
+def _main_names(path: str, mtime_ns: int) -> tuple[frozenset | None, frozenset, tuple]:
     """Names a script binds at module level outside / inside its ``if __name__ == "__main__":``
-    blocks; ``None`` outside when it cannot be told (a ``*`` import, unreadable source)."""
+    blocks (``None`` outside when its source cannot be read), and the ``(level, module)`` of each
+    ``from module import *`` outside them, in order (what else they bind is read from the modules)."""
     tree = _script_tree(path, mtime_ns)
     if tree is None:
-        return None, frozenset()
+        return None, frozenset(), ()
     outside: set[str] = set()
     guarded: set[str] = set()
-    star = [False]
+    stars: list[tuple[int, str | None]] = []
 
     def visit(stmts, names: set[str]) -> None:
         for node in stmts:
@@ -180,12 +262,14 @@ def _main_names(path: str, mtime_ns: int) -> tuple[frozenset | None, frozenset]:
                 names.update(a.asname or a.name.split(".")[0] for a in node.names)
             elif isinstance(node, ast.ImportFrom):
                 for a in node.names:
-                    if a.name == "*" and names is outside:
-                        star[0] = True
-                    names.add(a.asname or a.name)
+                    if a.name == "*":
+                        if names is outside:
+                            stars.append((node.level, node.module))
+                    else:
+                        names.add(a.asname or a.name)
 
     visit(tree.body, outside)
-    return (None if star[0] else frozenset(outside)), frozenset(guarded)
+    return frozenset(outside), frozenset(guarded), tuple(stars)
 
 
 def _targets(node, names: set[str]) -> None:
