@@ -75,13 +75,19 @@ def test_file_source_shuffles_by_seed_and_resumes_exactly_at_random_points(tmp_p
     assert full[:FILES * ROWS] != full[FILES * ROWS:2 * FILES * ROWS]   # a new order in the next epoch
     rng = random.Random(fmt)
     for k in [0, ROWS, FILES * ROWS - 1, FILES * ROWS] + rng.sample(range(1, 3 * FILES * ROWS), 5):
-        a = make()
-        for _ in zip(range(k), a):
-            pass
-        state = torch.load(_saved(a.state_dict()), weights_only=True)
-        b = make()
-        b.load_state_dict(state)
+        _, b = _resumed(make, k)
         assert [int(rec["id"]) for _, (_, rec) in zip(range(3 * FILES * ROWS - k), b)] == full[k:], k
+
+
+def _resumed(make, k: int):
+    """``(a, b)``: a source ``make()`` gives after reading ``k`` records, and a fresh one loaded with its state
+    (saved by torch.save, read back with weights_only=True)."""
+    a = make()
+    for _ in zip(range(k), a):
+        pass
+    b = make()
+    b.load_state_dict(torch.load(_saved(a.state_dict()), weights_only=True))
+    return a, b
 
 
 def _saved(state):
@@ -233,12 +239,7 @@ def test_csv_resumes_exactly_mid_file_and_rebuilds_from_spec_args(tmp_path, gz):
     full = [rec for _, (_, rec) in zip(range(n), make())]
     assert sorted(full[:FILES * ROWS], key=lambda r: r["id"]) == [r for f in range(FILES) for r in _csv_rows(f)]
     for k in [5, ROWS + 3, FILES * ROWS + ROWS // 2]:                  # mid-file, in both epochs
-        a = make()
-        for _ in zip(range(k), a):
-            pass
-        state = torch.load(_saved(a.state_dict()), weights_only=True)
-        b = make()
-        b.load_state_dict(state)
+        a, b = _resumed(make, k)
         assert [rec for _, (_, rec) in zip(range(n - k), b)] == full[k:], k
         rebuilt = pickle.loads(pickle.dumps(SourceSpec.from_source(a))).build()      # the rpc runtime's way
         assert rebuilt.csv_convert_options is None
