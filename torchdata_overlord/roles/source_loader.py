@@ -27,7 +27,7 @@ from torchdata.nodes import BaseNode
 from ..errors import ConfigError
 from ..plane.records import BufferMeta
 from ..sources.base import SKIPPED, SourceReadError, positions
-from .constructor import sequence_length
+from .constructor import _text_ids, sequence_length
 from .meta_slots import MetaSlots
 
 __all__ = ["SourceLoader", "record_bytes"]
@@ -84,6 +84,25 @@ def _same_state(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
     return a == b
+
+
+class _StrayPlaceholder(Exception):
+    """A record's text ids hold the image placeholder: its text has the placeholder piece (e.g. ``<image>``)
+    literally, so its row would carry a placeholder with no image behind it, which shifts or breaks a model
+    that fills placeholders with image features in order (:meth:`named` says which sample, for the user)."""
+
+    def __init__(self, ids: np.ndarray, image_token_id: int):
+        hit = (ids == image_token_id).nonzero()[0]
+        super().__init__(int(hit[0]), len(hit), image_token_id)
+
+    def named(self, source: str, index: int, where) -> SourceReadError:
+        at_token, count, tid = self.args
+        at = f"{where[0]} row {where[1]}" if isinstance(where, tuple) and len(where) >= 2 else f"item {where}"
+        return SourceReadError(
+            f"source {source!r}: sample {index} ({at}) has the image placeholder id {tid} in its text at token "
+            f"{at_token} ({count} in all) but no image there: its text holds the placeholder piece literally (e.g. "
+            f"'<image>'); remove or escape it in the text (in the transform) or use a placeholder that cannot occur "
+            f"in text")
 
 
 class SourceLoader(BaseNode[tuple]):
@@ -205,9 +224,10 @@ class SourceLoader(BaseNode[tuple]):
         rows: list[tuple] = []
         try:
             for e in kept:
-                if self.image_token_id is not None and e[1] is not _PLACE:
-                    self._no_stray_placeholder(e[0], e[1], raws)
                 rows.append((0, 0, 0, 0.0) if e[1] is _PLACE else self._meta_row(e[1]))
+        except _StrayPlaceholder as stray:
+            where = next((r[2] for r in raws if r[0] == kept[len(rows)][0]), None)
+            raise stray.named(self.name, kept[len(rows)][0], where) from None
         finally:        # (the rows before one whose metadata raised are buffered, as when each was at once)
             slots = self._meta.put(rows, [e[4] for e in kept[:len(rows)]])
             for (index, rec, before, seq, order), slot in zip(kept, slots):
@@ -215,32 +235,21 @@ class SourceLoader(BaseNode[tuple]):
         if not self._buffer:            # nothing buffered: the state moves past what was read
             self._base, self._taken = self._here(), {}
 
-    def _no_stray_placeholder(self, index: int, record, raws: list) -> None:
-        """Refuse a record whose text ids hold the image placeholder (its text has the placeholder piece, e.g.
-        ``<image>``, literally): the row would carry a placeholder with no image behind it, which shifts or
-        breaks a model that fills placeholders with image features in order."""
-        ids = record.get("input_ids") if type(record) is dict else None
-        if type(ids) is not torch.Tensor or ids.dtype is not torch.int64:
-            return
-        found = ids.numpy() == self.image_token_id if ids.dim() == 1 else None
-        if found is not None and found.any():
-            hit = found.nonzero()[0]
-            where = next((r[2] for r in raws if r[0] == index), None)
-            at = f"{where[0]} row {where[1]}" if isinstance(where, tuple) and len(where) >= 2 else f"item {where}"
-            raise SourceReadError(
-                f"source {self.name!r}: sample {index} ({at}) has the image placeholder id {self.image_token_id} in its "
-                f"text at token {int(hit[0])} ({len(hit)} in all) but no image there: its text holds the placeholder "
-                f"piece literally (e.g. '<image>'); remove or escape it in the text (in the transform) or use a "
-                f"placeholder that cannot occur in text")
-
     def _meta_row(self, record) -> tuple[int, int, int, float]:
         """(tokens with image placeholders, images, patches, sum of squared patches), computed once."""
         # a text record as Tokenize gives it (most rows): sequence_length's answer is its ids' length, read here
         # without the image walk and _text_ids' numpy view (1.1 vs 4.0 us a row)
+        tid = self.image_token_id
         if type(record) is dict and "pixels" not in record and "image_patches" not in record:
             ids = record.get("input_ids")
             if type(ids) is torch.Tensor and ids.dim() == 1:
+                if tid is not None and ids.dtype is torch.int64 and (ids.numpy() == tid).any():
+                    raise _StrayPlaceholder(ids.numpy(), tid)
                 return len(ids), 0, 0, 0.0
+        if tid is not None and isinstance(record, dict) and "input_ids" in record:
+            ids = _text_ids(record)
+            if (ids == tid).any():
+                raise _StrayPlaceholder(ids, tid)
         patches = list(record.get("image_patches", ())) if isinstance(record, dict) else []
         return (sequence_length(record, self.image_token_id), len(patches), sum(patches),
                 float(sum(x * x for x in patches)))
