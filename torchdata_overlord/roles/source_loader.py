@@ -243,7 +243,7 @@ class SourceLoader(BaseNode[tuple]):
         if type(record) is dict and "pixels" not in record and "image_patches" not in record:
             ids = record.get("input_ids")
             if type(ids) is torch.Tensor and ids.dim() == 1:
-                if tid is not None and ids.dtype is torch.int64 and (ids.numpy() == tid).any():
+                if tid is not None and (ids.numpy() == tid).any():
                     raise _StrayPlaceholder(ids.numpy(), tid)
                 return len(ids), 0, 0, 0.0
         if tid is not None and isinstance(record, dict) and "input_ids" in record:
