@@ -238,3 +238,40 @@ def test_strategy_may_return_a_plan_or_a_graph():
     with pytest.raises(ol.ConfigError, match="strategy must return a Plan or a DGraph, got int"):
         bad.plan(bufs)
     assert bad.step == 0
+
+
+def test_planners_sharing_one_dynamic_schedule_object_keep_their_own_mixture():
+    """A strategy's Dynamic schedule is one object that several Planners of a process may share (two loaders of
+    one strategy, or one made after another was closed): each Planner's mixture follows its own feedback only,
+    and a fresh Planner starts from the schedule as it was made (before: it took the weights another Planner's
+    feedback had left in the object, and interleaved Planners moved each other's mixture)."""
+    mesh = ol.ClientPlaceTree(dp=2)
+    init = {"web": 1, "code": 1, "long": 1, "caps": 1}
+
+    def loss(seed):
+        rng = np.random.default_rng(seed)
+        return lambda: {s: float(rng.uniform(0, 3)) for s in init}
+
+    def solo(seed, steps=6):
+        p, loaders, f = ol.Planner(_strategy(ol.Dynamic(init, lr=1.0)), mesh, 24, seed=1), _loaders(), loss(seed)
+        return [_plan_with(p, loaders, f) for _ in range(steps)]
+
+    shared = ol.Dynamic(init, lr=1.0)
+    a, b = ol.Planner(_strategy(shared), mesh, 24, seed=1), ol.Planner(_strategy(shared), mesh, 24, seed=1)
+    la, lb, fa, fb = _loaders(), _loaders(), loss(1), loss(2)
+    got_a, got_b = [], []
+    for _ in range(6):                     # interleaved, each with its own feedback
+        got_a.append(_plan_with(a, la, fa))
+        got_b.append(_plan_with(b, lb, fb))
+    assert [p.sampled_keys() for p in got_a] == [p.sampled_keys() for p in solo(1)]
+    assert [p.sampled_keys() for p in got_b] == [p.sampled_keys() for p in solo(2)]
+    assert a.state_dict() != b.state_dict()
+    # a fresh Planner on the same (moved) object starts from the initial weights
+    c, lc, fc = ol.Planner(_strategy(shared), mesh, 24, seed=1), _loaders(), loss(1)
+    assert [_plan_with(c, lc, fc).sampled_keys() for _ in range(6)] == [p.sampled_keys() for p in solo(1)]
+
+
+def _plan_with(planner, loaders, feedback):
+    plan = planner.plan(loaders.buffers(), feedback=[feedback()])
+    loaders.consume(plan)
+    return plan

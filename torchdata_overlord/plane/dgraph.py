@@ -43,6 +43,7 @@ class PlanContext:
     live: dict = field(default_factory=dict)
     feedback: list = field(default_factory=list)     # trainer feedback for this step's dynamic schedules
     feedback_used: bool = False
+    planner: object = None                           # the Planner planning this step (None: a probe)
     _counts: dict = field(default_factory=dict)
 
     def key(self, kind: str) -> str:

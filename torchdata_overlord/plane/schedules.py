@@ -59,6 +59,10 @@ class Schedule:
     def load_state_dict(self, state: Mapping) -> None:
         pass
 
+    def reset(self) -> None:
+        """Back to the running state it was made with (a fresh Planner starts from it); stateful schedules
+        override this with ``state_dict``/``load_state_dict``."""
+
     def spec(self) -> dict:
         """The schedule's definition as plain values, not its running state: a checkpoint records it,
         so that resuming under another mixture is refused. By default the class and its JSON-able
@@ -224,6 +228,9 @@ class Dynamic(Schedule):
 
     def state_dict(self) -> dict:
         return {"weights": dict(self._w), "updates": self.updates}
+
+    def reset(self) -> None:
+        self._w, self.updates = dict(self._initial), 0
 
     def load_state_dict(self, state: Mapping) -> None:
         w = dict(state["weights"])

@@ -13,6 +13,7 @@ from typing import Callable, Mapping, Sequence
 from ..errors import ConfigError
 from ..plane.dgraph import DGraph, PlanContext
 from ..plane.place_tree import ClientPlaceTree
+from ..plane.primitives.mix import _owned_by
 from ..plane.plan import Plan
 from ..plane.records import BufferMeta
 
@@ -58,7 +59,7 @@ class Planner:
             bufs = [self.summary_buffer(b) for b in bufs]
         # primitives write into a copy: a strategy that raises leaves the planner unchanged
         ctx = PlanContext(self.mesh, self.step, self.seed, self.global_batch, copy.deepcopy(self._state),
-                          set(self._restoring), {}, [dict(f) for f in feedback])
+                          set(self._restoring), {}, [dict(f) for f in feedback], planner=self)
         out = self.strategy(DGraph.from_buffers(bufs, ctx))
         if ctx.feedback and not ctx.feedback_used:
             raise ConfigError(f"step {self.step}: feedback was given but no schedule of the strategy takes it; "
@@ -72,10 +73,12 @@ class Planner:
         return plan
 
     def state_dict(self) -> dict:
-        """Plain-typed state: step, seed, and each primitive's state (live schedules read now)."""
+        """Plain-typed state: step, seed, and each primitive's state (live schedules read now, unless another
+        Planner of this process has moved the shared schedule object since: then as this Planner left it)."""
         prim = copy.deepcopy(self._state)
         for key, sched in self._live.items():
-            prim.setdefault(key, {})["schedule"] = sched.state_dict()
+            if _owned_by(sched, self):
+                prim.setdefault(key, {})["schedule"] = sched.state_dict()
         out = {self.STEP: self.step, self.SEED: self.seed, self.BATCH: self.global_batch,
                self.MESH: self.mesh.to_dict(), self.PRIMITIVES: prim}
         if len(self.batches) > 1:

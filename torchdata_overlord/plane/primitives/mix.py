@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import numpy as np
 
 from ...errors import BufferShortageError, ConfigError
 from ..apportion import Apportioner
 from ..schedules import as_schedule, validate_weights
+
+_SCHEDULES = threading.Lock()     # one Planner at a time sets and reads a schedule object's running state
+
+
+def _owned_by(schedule, planner) -> bool:
+    """Whether ``planner`` (None: no Planner, a probe) moved ``schedule`` last, or none did: then its running
+    state is this Planner's (and a change the user made to it directly, as the standalone Planner allows,
+    counts). A schedule object belongs to the strategy, which several Planners of one process may share."""
+    owner = getattr(schedule, "_overlord_planner", None)
+    return planner is None or owner is None or owner() is planner
+
+
+def _own(schedule, planner) -> None:
+    if planner is not None:
+        try:
+            schedule._overlord_planner = weakref.ref(planner)
+        except (AttributeError, TypeError):      # a schedule that takes no attribute: owned by whoever uses it
+            pass
 
 
 class Mix:
@@ -27,14 +48,25 @@ class Mix:
             raise ConfigError(f"mix() needs a global batch size >= 1, got {ctx.global_batch!r}")
         key = ctx.key(self.KIND)
         saved = ctx.state.get(key, {})
-        if key in ctx.restoring and self.STATE_SCHEDULE in saved:
-            self.schedule.load_state_dict(saved[self.STATE_SCHEDULE])
+        with _SCHEDULES:
+            if not _owned_by(self.schedule, ctx.planner):
+                # another Planner of this process (a loader of the same strategy, open or closed) moved this
+                # schedule object last: this Planner's own running state, or the schedule as it was made
+                if self.STATE_SCHEDULE in saved:
+                    self.schedule.load_state_dict(saved[self.STATE_SCHEDULE])
+                else:
+                    self.schedule.reset()
+            elif key in ctx.restoring and self.STATE_SCHEDULE in saved:
+                self.schedule.load_state_dict(saved[self.STATE_SCHEDULE])
             ctx.restoring.discard(key)
-        if ctx.feedback and hasattr(self.schedule, "update"):
-            for values in ctx.feedback:          # applied inside plan(): a pure input of this step
-                self.schedule.update(values)
-            ctx.feedback_used = True
-        weights = validate_weights(self.schedule.weights(ctx.step), f"mix schedule at step {ctx.step}")
+            if ctx.feedback and hasattr(self.schedule, "update"):
+                for values in ctx.feedback:      # applied inside plan(): a pure input of this step
+                    self.schedule.update(values)
+                ctx.feedback_used = True
+            weights = self.schedule.weights(ctx.step)
+            schedule_state = self.schedule.state_dict()
+            _own(self.schedule, ctx.planner)
+        weights = validate_weights(weights, f"mix schedule at step {ctx.step}")
         # this step's names too: a callable schedule may name a source first at a later step
         unknown = (self.schedule.sources() | set(weights)) - set(g.sources)
         if unknown:
@@ -57,7 +89,7 @@ class Mix:
             rows.append(have[:want])
         rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
         rows = rows[ctx.rng.permutation(len(rows))]
-        ctx.state[key] = {self.STATE_APPORTION: app.state_dict(), self.STATE_SCHEDULE: self.schedule.state_dict()}
+        ctx.state[key] = {self.STATE_APPORTION: app.state_dict(), self.STATE_SCHEDULE: schedule_state}
         ctx.live[key] = self.schedule
         err = app.error()
         info = {"weights": {k: v / sum(weights.values()) for k, v in weights.items()},
