@@ -269,6 +269,9 @@ def test_planners_sharing_one_dynamic_schedule_object_keep_their_own_mixture():
     # a fresh Planner on the same (moved) object starts from the initial weights
     c, lc, fc = ol.Planner(_strategy(shared), mesh, 24, seed=1), _loaders(), loss(1)
     assert [_plan_with(c, lc, fc).sampled_keys() for _ in range(6)] == [p.sampled_keys() for p in solo(1)]
+    # the mark is kept beside the schedule, not in it: a strategy holding it still pickles (runtime="rpc")
+    import pickle
+    assert pickle.loads(pickle.dumps(shared)).state_dict() == shared.state_dict()
 
 
 def _plan_with(planner, loaders, feedback):

@@ -14,19 +14,26 @@ from ..schedules import as_schedule, validate_weights
 _SCHEDULES = threading.Lock()     # one Planner at a time sets and reads a schedule object's running state
 
 
+_MOVED_BY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # schedule -> the Planner that moved it last
+
+
 def _owned_by(schedule, planner) -> bool:
     """Whether ``planner`` (None: no Planner, a probe) moved ``schedule`` last, or none did: then its running
     state is this Planner's (and a change the user made to it directly, as the standalone Planner allows,
     counts). A schedule object belongs to the strategy, which several Planners of one process may share."""
-    owner = getattr(schedule, "_overlord_planner", None)
+    try:
+        owner = _MOVED_BY.get(schedule)
+    except TypeError:                        # not weakly referable or not hashable: not tracked
+        return True
     return planner is None or owner is None or owner() is planner
 
 
 def _own(schedule, planner) -> None:
+    """Mark ``schedule`` as moved by ``planner`` (kept beside it, not in it: a schedule must still pickle)."""
     if planner is not None:
         try:
-            schedule._overlord_planner = weakref.ref(planner)
-        except (AttributeError, TypeError):      # a schedule that takes no attribute: owned by whoever uses it
+            _MOVED_BY[schedule] = weakref.ref(planner)
+        except TypeError:
             pass
 
 
