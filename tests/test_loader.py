@@ -240,9 +240,16 @@ def test_close_leaves_no_thread_and_is_idempotent(corpus):
     loader = make_loader(corpus, "dp", dict(dp=2), workers={"caps": 2})
     it = iter(loader)
     next(it)
+    state = loader.state_dict()
     loader.close()
     loader.close()
     assert set(threading.enumerate()) <= before
+    # closed: the steps prefetched before close() are not served, and nothing changes the consumed position
+    for call in (lambda: next(it), lambda: iter(loader), lambda: loader.feedback({"web": 1.0}),
+                 lambda: loader.load_state_dict(state)):
+        with pytest.raises(ol.OverlordError, match=r"on a closed OverlordLoader"):
+            call()
+    assert loader.state_dict() == state and loader.stats()["closed"]
 
 
 def test_exception_in_the_training_loop_still_cleans_up(corpus):

@@ -222,8 +222,7 @@ class OverlordLoader:
     def __iter__(self) -> "OverlordLoader":
         """Start (or restart) producing from the consumed position, or from a loaded state; after
         the stream ended (a source finished its epochs), only a loaded state starts it again."""
-        if self._closed:
-            raise OverlordError("this OverlordLoader is closed")
+        self._check_open("iter()")
         if self._pending is None and self.exhausted_reason is not None:
             raise OverlordError(f"this stream ended after step {self._consumed[self.K_STEP] - 1}: "
                                 f"{self.exhausted_reason}. An OverlordLoader is one stream over the whole run, not "
@@ -285,6 +284,7 @@ class OverlordLoader:
             out.put(_END)
 
     def __next__(self) -> dict:
+        self._check_open("next()")
         if not self._active:
             if self._pending is None and self.exhausted_reason is not None:
                 raise StopIteration            # an ended stream stays ended (a loaded state restarts it)
@@ -396,6 +396,7 @@ class OverlordLoader:
         Where several trainer processes share one rpc job, the Planner takes rank 0's feedback (the
         group's leader); give every rank the same values (e.g. an all-reduced loss).
         """
+        self._check_open("feedback()")
         values = {str(k): float(v) for k, v in values.items()}
         entry = [self._consumed[self.K_STEP] + self.prefetch, values]
         with self._lock:
@@ -434,6 +435,7 @@ class OverlordLoader:
         loader's, and the changes are warned about. Returns every change, in words.
         (``torch.distributed.checkpoint.load`` calls this with ``strict=True``; to opt in there,
         load into ``{"loader": loader.state_dict()}`` and pass that entry here.)"""
+        self._check_open("load_state_dict()")
         step, job, saved, changes = loader_state.unpack(state, self._config, strict, sources_changed)
         return self._resume(step, job, saved, changes)
 
@@ -481,6 +483,12 @@ class OverlordLoader:
         thread.join(timeout=self.timeout)
         if thread.is_alive():
             raise OverlordError(f"the prefetch thread did not stop within {self.timeout:.0f} s")
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise OverlordError(f"{what} on a closed OverlordLoader (steps prefetched before close() are dropped, "
+                                f"not served); state_dict() and stats() still answer, for a checkpoint: load it into "
+                                f"a new loader to continue")
 
     def close(self) -> None:
         """Stop the prefetch thread and the loaders' worker pools; idempotent."""
