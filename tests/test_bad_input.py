@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -45,8 +46,17 @@ def test_bad_weights(weights, pattern):
 def test_schedule_construction_errors():
     with pytest.raises(ol.ConfigError, match=r"needs a stage starting at step 0, got steps \[5\]"):
         ol.Piecewise({5: {"a": 1}})
+    # stage steps that are not integers >= 0 (a bare KeyError, or a stage never used, before)
+    for stages, bad in (({0: {"a": 1}, "5": {"a": 2}}, "['5']"), ({0: {"a": 1}, 2.5: {"a": 2}}, "[2.5]"),
+                        ({0: {"a": 1}, -3: {"a": 2}}, "[-3]"), ({True: {"a": 1}}, "[True]")):
+        with pytest.raises(ol.ConfigError, match=rf"first step must be an integer >= 0, got {re.escape(bad)}"):
+            ol.Piecewise(stages)
     with pytest.raises(ol.ConfigError, match="steps must be an integer >= 1, got 0"):
         ol.Linear({"a": 1}, {"a": 2}, steps=0)
+    with pytest.raises(ol.ConfigError, match="steps must be an integer >= 1, got True"):
+        ol.Linear({"a": 1}, {"a": 2}, steps=True)
+    with pytest.raises(ol.ConfigError, match="start_step must be an integer >= 0, got -1"):
+        ol.Cosine({"a": 1}, {"a": 2}, steps=4, start_step=-1)
     with pytest.raises(ol.ConfigError, match="Cosine schedule: steps must be"):
         ol.Cosine({"a": 1}, {"a": 2}, steps=-3)
     with pytest.raises(ol.ConfigError, match="lr must be a positive finite number"):

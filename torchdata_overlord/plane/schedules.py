@@ -114,9 +114,14 @@ class Piecewise(Schedule):
     """Step-wise: ``{0: mix_a, 1000: mix_b}`` uses ``mix_a`` for steps 0..999 and ``mix_b`` after."""
 
     def __init__(self, stages: Mapping[int, Mapping[str, float]]):
-        if not stages or 0 not in stages:
-            raise ConfigError(f"Piecewise schedule needs a stage starting at step 0, got steps {sorted(stages or ())}")
-        self._steps = sorted(int(s) for s in stages)
+        if not isinstance(stages, Mapping) or not stages:
+            raise ConfigError(f"Piecewise schedule needs a dict {{first step: mixture}}, got {stages!r}")
+        bad = [s for s in stages if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+        if bad:
+            raise ConfigError(f"Piecewise schedule: each stage's first step must be an integer >= 0, got {bad!r}")
+        if 0 not in stages:
+            raise ConfigError(f"Piecewise schedule needs a stage starting at step 0, got steps {sorted(stages)}")
+        self._steps = sorted(stages)
         names = _union(stages.values())
         self._stages = [_fill(validate_weights(stages[s], f"Piecewise stage at step {s}"), names) for s in self._steps]
 
@@ -135,8 +140,10 @@ class Linear(Schedule):
     """Interpolates from ``start`` to ``end`` over ``steps`` steps beginning at ``start_step``."""
 
     def __init__(self, start: Mapping[str, float], end: Mapping[str, float], steps: int, start_step: int = 0):
-        if not isinstance(steps, int) or steps < 1:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ConfigError(f"{type(self).__name__} schedule: steps must be an integer >= 1, got {steps!r}")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ConfigError(f"{type(self).__name__} schedule: start_step must be an integer >= 0, got {start_step!r}")
         names = _union([start, end])
         self._a = _fill(validate_weights(start, f"{type(self).__name__} start"), names)
         self._b = _fill(validate_weights(end, f"{type(self).__name__} end"), names)
