@@ -394,7 +394,10 @@ class OverlordLoader:
         the prefetch thread cannot have built yet; so the stream depends only on the feedback
         sequence (and ``prefetch``), never on timing. Checkpoints keep feedback not yet planned.
         Where several trainer processes share one rpc job, the Planner takes rank 0's feedback (the
-        group's leader); give every rank the same values (e.g. an all-reduced loss).
+        group's leader); give every rank the same values (e.g. an all-reduced loss). With
+        ``runtime="local"`` every trainer process plans for itself, so every rank must give the same
+        values at the same steps: a rank whose feedback differs plans other batches than the rest, and
+        samples are then duplicated or lost across ranks.
         """
         self._check_open("feedback()")
         values = {str(k): float(v) for k, v in values.items()}
