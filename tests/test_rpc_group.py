@@ -229,3 +229,60 @@ def test_a_start_that_fails_on_rank_0_tells_every_rank_why(tmp_path):
     assert got[1][0] == "JobClosed", got[1]
     assert "trainer rank 0 could not start the data plane's roles: SourceReadError" in got[1][1]
     assert "bad.parquet row 3" in got[1][1]
+
+
+def _late_rank_trainer(rank: int, root: str, out_dir: str) -> None:
+    """Rank 1 makes its loader only once rank 0 has consumed 3 steps (the Planner then stands further on)."""
+    import torch.distributed as dist
+
+    from torchdata_overlord.runtime.client import Job
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg-late", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    flag = f"{out_dir}/rank0-consumed-3"
+    if rank == 1:                 # every read of the job's state this rank makes waits for rank 0's 3 steps
+        def late(read):
+            def wait_then_read(self):
+                deadline = time.monotonic() + 120
+                while not os.path.exists(flag) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                return read(self)
+            return wait_then_read
+        for name in ("state_dict", "start_state"):
+            if hasattr(Job, name):
+                setattr(Job, name, late(getattr(Job, name)))
+    corpus = build_demo_corpus(root, scale="test", seed=0)
+    out = {"items": []}
+    try:
+        with ol.OverlordLoader(make_sources(corpus), group_strategy, ol.ClientPlaceTree(dp=2), rank=rank,
+                               global_batch=GLOBAL_BATCH, seq_len=None, image_token_id=corpus.image_token_id,
+                               runtime="rpc", group="default", n_workers=1, prefetch=2, timeout=120) as loader:
+            for i, item in zip(range(6), loader):
+                out["items"].append(item)
+                if rank == 0 and i == 2:
+                    open(flag, "w").close()
+    except Exception as e:       # noqa: BLE001 - recorded for the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    dist.destroy_process_group()
+    torch.save(out, f"{out_dir}/late-{rank}.pt")
+
+
+@pytest.mark.slow
+def test_a_rank_that_makes_its_loader_late_still_starts_at_step_0(corpus, tmp_path):
+    """A trainer rank slower to make its loader than rank 0 to iterate (its first state read after the Planner
+    planned ahead) starts at step 0 with every other rank; it used to take the Planner's position by then as its
+    start and fail: 'client 1 starts at step N but the leader ... starts at step 0' (a torchrun trial, 3 of 7
+    four-rank runs without any fault)."""
+    job = LocalJob(make_sources(corpus), group_strategy, ol.ClientPlaceTree(dp=2), GLOBAL_BATCH, None,
+                   image_token_id=corpus.image_token_id)
+    try:
+        reference = [job.step().outputs for _ in range(6)]
+    finally:
+        job.close()
+    _spawn_group(_late_rank_trainer, (str(corpus.root), str(tmp_path)), 2, timeout=240)
+    for r in range(2):
+        got = torch.load(f"{tmp_path}/late-{r}.pt", weights_only=False)
+        assert "error" not in got, got.get("error")
+        assert [it["step"] for it in got["items"]] == list(range(6))
+        for k, item in enumerate(got["items"]):
+            assert_identical(item["microbatches"], reference[k][r]["microbatches"])

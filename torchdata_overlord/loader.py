@@ -197,7 +197,7 @@ class OverlordLoader:
                         "mesh": mesh.to_dict(), "image_token_id": image_token_id,
                         loader_state.MIXTURE: mixture_spec(strategy, mesh, names, global_batch, seed),
                         loader_state.TRANSFORMS: {getattr(s, "name", s): transform_spec(s) for s in sources}}
-        self._consumed = {self.K_STEP: 0, self.K_JOB: self._job.state_dict()}
+        self._consumed = {self.K_STEP: 0, self.K_JOB: self._job.start_state()}
         self._initial_job = copy.deepcopy(self._consumed[self.K_JOB])     # where a source added at a resume starts
         self._sources = sources
         self._pending: dict | None = None

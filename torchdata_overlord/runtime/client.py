@@ -225,6 +225,11 @@ class Job(ClientRecovery):
         """The job's state at the Planner's current position (no step in flight)."""
         return self._ask_planner(lambda p: p.state_dict())
 
+    def start_state(self) -> dict:
+        """The job's state at step 0, where a new loader of any trainer rank starts (not where the leader may
+        have planned to by the time this rank asks)."""
+        return self._ask_planner(lambda p: p.start_state())
+
     def load_state_dict(self, state: Mapping) -> None:
         """Restart at ``state`` (the leader resets every role; another client checks it starts at the
         same step as the leader)."""

@@ -123,6 +123,14 @@ class PlannerActor(RoleActor):
         else:
             settle(fut, {"gen": gen, "step": start})
 
+    def start_state(self) -> dict:
+        """The job's state at step 0, while this line of history keeps it (the leader started there and no
+        client has consumed past it yet); else the state now. A trainer rank's loader starts from it whenever it
+        is made: a rank slower to make its loader than the leader to plan ahead must not start where the
+        Planner stands by then."""
+        kept = self.versions.get(0)
+        return copy.deepcopy(kept) if kept is not None else self.state_dict()
+
     def generation(self) -> dict:
         """The current generation and where replaced roles live (a client re-asks with these)."""
         r = self.recovery
