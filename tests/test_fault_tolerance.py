@@ -125,6 +125,19 @@ def test_a_killed_planner_or_constructor_changes_nothing(corpus, tmp_path, role)
 
 
 @pytest.mark.slow
+def test_a_planner_killed_before_the_first_step_is_replaced(corpus, tmp_path):
+    """The Planner's process killed with the roles up but before the first step (and so before the leader's
+    first request): it is restored from the job's first checkpoint, taken as the roles came up, and the stream
+    is unchanged (before: the leader's attach failed with a raw ActorDied, and the Planner would have had
+    nothing to restore)."""
+    rep = run(corpus, tmp_path, steps=12, prefetch=2, faults=[{"step": -1, "kill": ["planner"]}],
+              n_workers=one_per_role(2))
+    assert rep["error"] is None, rep["error"]
+    assert rep["digests"] == reference(corpus, 2, 12)
+    assert [r["kind"] for r in rep["recoveries"]] == ["planner"]
+
+
+@pytest.mark.slow
 def test_a_frozen_loader_is_detected_by_the_timeout_and_replaced(corpus, tmp_path):
     rep = run(corpus, tmp_path, steps=30, prefetch=3, call_timeout=3, faults=[{"step": 10, "freeze": ["loader:caps"]}],
               n_workers=one_per_role(2))

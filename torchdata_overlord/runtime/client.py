@@ -119,7 +119,9 @@ class Job(ClientRecovery):
             old, self._requests = self._requests, {}
             for req in old.values():
                 settle(req.out, exc=JobReset(f"step {req.step} was asked for before the job restarted at step {step}"))
-            reply = self.planner.attach(self.client, state if self.is_leader else None, step).result(self.timeout + 5)
+            # a Planner lost before or during the attach (its process killed before the first step, or right
+            # after a load_state_dict()) is replaced or learned, then asked again, as for any other call to it
+            reply = self._ask_planner(lambda p: p.attach(self.client, state if self.is_leader else None, step))
             self._gen, self._next = reply["gen"], reply["step"]
 
     def add_feedback(self, step: int, values: Mapping[str, float]) -> None:

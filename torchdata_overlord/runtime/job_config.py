@@ -24,7 +24,7 @@ from .loadable import check_loadable
 from .loader_actor import LoaderActor
 from .planner_actor import PlannerActor
 from .fault_policy import FaultPolicy
-from .refs import PLANNER, LoaderRef, constructor_actor, loader_actor, role_names, shadow_actor
+from .refs import PLANNER, LoaderRef, PlannerRef, constructor_actor, loader_actor, role_names, shadow_actor
 from .switches import env_on
 from .transport import ActorDied, CallTimeout, Transport
 
@@ -298,3 +298,5 @@ def start_roles(transport: Transport, cfg: RoleConfig, n_workers: int = 1, spare
                 from .rpc_transport import TransportStartupError
                 raise TransportStartupError(f"source {n!r}: its Source Loader did not fill its first buffer within "
                                             f"the start-up timeout of {warm_timeout:g} s ({e})") from e
+    if store is not None:           # a first checkpoint: a Planner lost before the first step can be restored
+        PlannerRef(transport, PLANNER, cfg.timeout).checkpoint_start().result(cfg.timeout + 5)

@@ -123,6 +123,14 @@ class PlannerActor(RoleActor):
         else:
             settle(fut, {"gen": gen, "step": start})
 
+    def checkpoint_start(self) -> None:
+        """The job's state before its first step, kept and (with a checkpoint store) checkpointed when the roles
+        are up: a Planner lost before the leader's first request is then restored from it like any other (the
+        leader's attach resets it to the leader's own state), instead of having nothing to restore."""
+        if not self.versions:
+            self.versions[self.step] = self.state_dict()
+            self.recovery.checkpoints.reset(self.step, self.versions[self.step])
+
     def start_state(self) -> dict:
         """The job's state at step 0, while this line of history keeps it (the leader started there and no
         client has consumed past it yet); else the state now. A trainer rank's loader starts from it whenever it

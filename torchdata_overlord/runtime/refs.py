@@ -149,6 +149,9 @@ class PlannerRef(ActorRef):
     def state_dict(self, timeout=None):
         return self._call("state_dict", timeout=timeout)
 
+    def checkpoint_start(self, timeout=None):
+        return self._call("checkpoint_start", timeout=timeout)
+
     def start_state(self, timeout=None):
         return self._call("start_state", timeout=timeout)
 

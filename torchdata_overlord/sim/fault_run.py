@@ -10,7 +10,7 @@ steps, prefetch, trainer work per step (matmuls, not sleeps), spares, call timeo
 ``placement`` (a :class:`~torchdata_overlord.scaling.Placement`'s ``to_dict()``; neither: the default,
 ``"auto"``), and ``faults``:
 ``[{"step": k, "kill"|"freeze"|"corrupt": [roles or checkpoint keys], "spare": [spare indices]}]``
-applied right after the trainer consumed step k (``skip_missing``: a kill of a role that serves
+applied right after the trainer consumed step k (step -1: before the first step, the roles up) (``skip_missing``: a kill of a role that serves
 nowhere at that moment is reported, not an error); ``roles_at[k]`` is every role's pid just before.
 """
 
@@ -135,6 +135,9 @@ def main(cfg_path: str, out_path: str) -> None:
     t0 = time.monotonic()
     try:
         with loader:
+            early = by_step.get(-1, {})
+            if early.get("kill"):                # before the first step: the Planner has no request yet
+                out["events"] += kill(loader, -1, early["kill"], [], cfg.get("skip_missing"))
             for step, batch in zip(range(cfg["steps"]), loader):
                 out["digests"].append(digest(batch))
                 work(cfg.get("work", 0))
