@@ -286,3 +286,36 @@ def test_a_rank_that_makes_its_loader_late_still_starts_at_step_0(corpus, tmp_pa
         assert [it["step"] for it in got["items"]] == list(range(6))
         for k, item in enumerate(got["items"]):
             assert_identical(item["microbatches"], reference[k][r]["microbatches"])
+
+
+def _early_leader_trainer(rank: int, root: str, out_dir: str) -> None:
+    """Rank 0 reads 3 steps and closes its loader; rank 1 goes on asking for more."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg-early", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    corpus = build_demo_corpus(root, scale="test", seed=0)
+    out = {"steps": []}
+    try:
+        with ol.OverlordLoader(make_sources(corpus), group_strategy, ol.ClientPlaceTree(dp=2), rank=rank,
+                               global_batch=GLOBAL_BATCH, seq_len=None, image_token_id=corpus.image_token_id,
+                               runtime="rpc", group="default", n_workers=1, prefetch=2, timeout=120) as loader:
+            for item in zip(range(3 if rank == 0 else 12), loader):
+                out["steps"].append(item[1]["step"])
+    except Exception as e:       # noqa: BLE001 - what the rank is told
+        out["error"] = (type(e).__name__, str(e))
+    dist.destroy_process_group()
+    torch.save(out, f"{out_dir}/early-{rank}.pt")
+
+
+@pytest.mark.slow
+def test_a_rank_asking_past_a_closed_leaders_steps_is_told_at_once(corpus, tmp_path):
+    """Rank 0 (the leader: its requests plan the steps) closes after 3 steps; rank 1 gets the steps rank 0 had
+    asked for, then JobClosed saying why (before: it waited out its timeout, then TimeoutError or JobClosed,
+    and rank 0's close waited as long for it to leave)."""
+    _spawn_group(_early_leader_trainer, (str(corpus.root), str(tmp_path)), 2, timeout=200)
+    first, second = (torch.load(f"{tmp_path}/early-{r}.pt", weights_only=False) for r in range(2))
+    assert first["steps"] == [0, 1, 2] and "error" not in first
+    assert second["steps"] == list(range(len(second["steps"]))) and 3 <= len(second["steps"]) < 12
+    assert second["error"][0] == "JobClosed" and "closed its loader: no step after those it asked for" in \
+        second["error"][1], second

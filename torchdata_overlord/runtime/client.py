@@ -262,6 +262,8 @@ class Job(ClientRecovery):
         self._closed = True
         self._recovery.shutdown(wait=False, cancel_futures=True)
         try:
+            if self.transport is not None and self._stopped is None and self.is_leader and self._gen is not None:
+                self._leader_leaves()
             if self.transport is not None and self._stopped is None:
                 self.transport.leave(self.timeout)
             if self.transport is not None and self.client == 0 and not self._launched:
@@ -271,6 +273,20 @@ class Job(ClientRecovery):
                 self.transport.stop()
             for t in list(getattr(self._recovery, "_threads", ())):
                 t.join(self.timeout)         # a recovery under way ends: its calls now fail at once
+
+    def _leader_leaves(self) -> None:
+        """Tell the constructors no step this leader has not asked for will be planned: another client waiting
+        for one learns it at once, instead of after its timeout (and a launched job's other trainers leave)."""
+        reason = ("client 0 (the leader, whose requests plan the steps) closed its loader: no step after those it "
+                  "asked for will be planned; every trainer rank must run the same number of steps")
+        t = min(self.timeout, 5.0)
+        futs = []
+        for name in self._constructors:
+            try:
+                futs.append(ConstructorRef(self.transport, name, t).leader_left(self._gen, reason))
+            except Exception:              # noqa: BLE001 - best effort: a lost constructor's clients learn otherwise
+                pass
+        cf.wait(futs, timeout=t + 1)
 
     def _close_roles(self) -> None:
         missing = self.transport.wait_for_clients(self.timeout)

@@ -82,6 +82,7 @@ class ConstructorActor(RoleActor):
         self.failed: tuple[int, BaseException] | None = None
         self.consumed: dict[int, int] = {}          # client -> steps it consumed (reported with its fetches)
         self.steps: dict[int, _Work] = {}
+        self.leader_gone: str | None = None         # why no more steps will be planned (the leader left)
         self.lock = threading.Lock()
         # builds run on a thread of their own (the actor keeps taking parts meanwhile), or, with
         # build_thread=False (every role in one process), in the commit, on the Planner's thread
@@ -100,6 +101,7 @@ class ConstructorActor(RoleActor):
         with self.lock:
             old, self.steps = self.steps, {}
             self.gen, self.released, self.failed, self.planner = gen, 0, None, planner
+            self.leader_gone = None
             self.consumed = {}
         fail_all([w.fut for work in old.values() for w in work.waiters],
                  JobReset(f"the job was reset to generation {gen}; call iter() again"))
@@ -147,6 +149,21 @@ class ConstructorActor(RoleActor):
                     work.waiters = []
         fail_all(futs, error)
 
+    def leader_left(self, gen: int, reason: str) -> None:
+        """The leader client closed: a step it has not asked for will never be planned, so the fetches waiting
+        for one, and later ones, are answered with ``JobClosed(reason)`` now (not after a timeout); the steps it
+        asked for are still served."""
+        with self.lock:
+            if gen != self.gen:
+                return
+            self.leader_gone = str(reason)
+            futs = []
+            for work in self.steps.values():
+                if work.plan is None and not work.triggered:
+                    futs += [w.fut for w in work.waiters]
+                    work.waiters = []
+        fail_all(futs, JobClosed(self.leader_gone))
+
     def release(self, gen: int, below: int) -> None:
         """Forget every step before ``below`` (every client consumed them)."""
         with self.lock:
@@ -166,6 +183,10 @@ class ConstructorActor(RoleActor):
         fut: cf.Future = cf.Future()
         with self.lock:
             err = self._refuse(gen, step)
+            gone = self.steps.get(step)
+            if err is None and self.leader_gone is not None and not lead and (
+                    gone is None or (gone.plan is None and not gone.triggered)):
+                err = JobClosed(self.leader_gone)
             if err is not None:
                 settle(fut, exc=err)
                 return fut

@@ -118,6 +118,9 @@ class ConstructorRef(ActorRef):
         return self._now("fetch", gen, step, ranks, client, consumed, lead, list(feedback), with_plan,
                           timeout=timeout)
 
+    def leader_left(self, gen, reason, timeout=None):
+        return self._call("leader_left", gen, reason, timeout=timeout)
+
     def release(self, gen, below, timeout=None):
         return self._now("release", gen, below, timeout=timeout)
 
