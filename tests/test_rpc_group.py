@@ -231,6 +231,13 @@ def test_a_start_that_fails_on_rank_0_tells_every_rank_why(tmp_path):
     assert "bad.parquet row 3" in got[1][1]
 
 
+def _two_rank_loader(corpus, rank: int):
+    """Rank ``rank``'s loader of a dp=2 job of two trainer processes, every role in one worker."""
+    return ol.OverlordLoader(make_sources(corpus), group_strategy, ol.ClientPlaceTree(dp=2), rank=rank,
+                             global_batch=GLOBAL_BATCH, seq_len=None, image_token_id=corpus.image_token_id,
+                             runtime="rpc", group="default", n_workers=1, prefetch=2, timeout=120)
+
+
 def _late_rank_trainer(rank: int, root: str, out_dir: str) -> None:
     """Rank 1 makes its loader only once rank 0 has consumed 3 steps (the Planner then stands further on)."""
     import torch.distributed as dist
@@ -254,9 +261,7 @@ def _late_rank_trainer(rank: int, root: str, out_dir: str) -> None:
     corpus = build_demo_corpus(root, scale="test", seed=0)
     out = {"items": []}
     try:
-        with ol.OverlordLoader(make_sources(corpus), group_strategy, ol.ClientPlaceTree(dp=2), rank=rank,
-                               global_batch=GLOBAL_BATCH, seq_len=None, image_token_id=corpus.image_token_id,
-                               runtime="rpc", group="default", n_workers=1, prefetch=2, timeout=120) as loader:
+        with _two_rank_loader(corpus, rank) as loader:
             for i, item in zip(range(6), loader):
                 out["items"].append(item)
                 if rank == 0 and i == 2:
@@ -297,9 +302,7 @@ def _early_leader_trainer(rank: int, root: str, out_dir: str) -> None:
     corpus = build_demo_corpus(root, scale="test", seed=0)
     out = {"steps": []}
     try:
-        with ol.OverlordLoader(make_sources(corpus), group_strategy, ol.ClientPlaceTree(dp=2), rank=rank,
-                               global_batch=GLOBAL_BATCH, seq_len=None, image_token_id=corpus.image_token_id,
-                               runtime="rpc", group="default", n_workers=1, prefetch=2, timeout=120) as loader:
+        with _two_rank_loader(corpus, rank) as loader:
             for item in zip(range(3 if rank == 0 else 12), loader):
                 out["steps"].append(item[1]["step"])
     except Exception as e:       # noqa: BLE001 - what the rank is told
