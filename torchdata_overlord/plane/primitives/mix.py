@@ -12,8 +12,6 @@ from ..apportion import Apportioner
 from ..schedules import as_schedule, validate_weights
 
 _SCHEDULES = threading.Lock()     # one Planner at a time sets and reads a schedule object's running state
-
-
 _MOVED_BY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # schedule -> the Planner that moved it last
 
 
