@@ -105,6 +105,9 @@ CASES = {
     "negative planner step": (both(edit_job(planner("step", -3)), setitem("step", -3)), r"'step' is -3"),
     "job edited, not sealed": (edit_job(planner("step", 1), checksum=False), "does not match its checksum"),
     "truncated job": (lambda s: s.__setitem__("job", s["job"][: len(s["job"]) // 2]), "does not match its checksum"),
+    # torch.distributed.checkpoint keeps one rank's 'job' and another's 'checksum' when their feedback differs
+    "another rank's feedback": (edit_job(lambda job: job.__setitem__("feedback", [[4, {"web": 1.0}]]), checksum=False),
+                                r"mixes the states of trainer ranks that differ.*every rank must give the same feedback"),
     "truncated job, sealed": (lambda s: s.update(job=s["job"][:100], checksum=sha256(s["job"][:100])), "is not JSON"),
     "job is 42": (setitem("job", 42), r"'job' is a int, not a str"),
     "no checksum": (lambda s: s.pop("checksum"), r"lacks \['checksum'\]"),

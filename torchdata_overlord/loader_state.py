@@ -92,7 +92,9 @@ def unpack(state, config: Mapping, strict: bool = True,
     text = _of(state[JOB], str, "'job'")
     if checksum(text) != state[CHECKSUM]:
         raise _bad("'job'", f"({len(text)} characters) does not match its checksum: it was truncated, corrupted or "
-                            f"edited")
+                            f"edited, or (saved with torch.distributed.checkpoint) it mixes the states of trainer ranks "
+                            f"that differ, e.g. ranks that gave feedback() different values or only some of them: "
+                            f"every rank must give the same feedback")
     diffs = [f"{k}: saved {theirs.get(k)!r}, now {v!r}" for k, v in config.items()
              if k not in (MIXTURE, TRANSFORMS, "sources", *ELASTIC) and theirs.get(k) != v]
     if diffs:
