@@ -90,9 +90,8 @@ class PlannerActor(RoleActor):
         if client == self.LEADER:
             if state is not None:
                 self.new_generation(state)
-            elif not self.versions:
-                self.versions[self.step] = self.state_dict()
-                self.recovery.checkpoints.reset(self.step, self.versions[self.step])
+            else:
+                self.checkpoint_start()          # (once, if the roles' start did not)
             self.leader_starts.append((self.gen, self.step))
             for item in list(self.attach_waiting):
                 if item[1] <= len(self.leader_starts):
@@ -124,9 +123,10 @@ class PlannerActor(RoleActor):
             settle(fut, {"gen": gen, "step": start})
 
     def checkpoint_start(self) -> None:
-        """The job's state before its first step, kept and (with a checkpoint store) checkpointed when the roles
-        are up: a Planner lost before the leader's first request is then restored from it like any other (the
-        leader's attach resets it to the leader's own state), instead of having nothing to restore."""
+        """The job's state before its first step, kept and (with a checkpoint store) checkpointed, once: when the
+        roles are up, else at the leader's first attach. A Planner lost before the leader's first request is then
+        restored from it like any other (the leader's attach resets it to the leader's own state), instead of
+        having nothing to restore."""
         if not self.versions:
             self.versions[self.step] = self.state_dict()
             self.recovery.checkpoints.reset(self.step, self.versions[self.step])
