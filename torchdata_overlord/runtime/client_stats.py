@@ -71,8 +71,10 @@ def by_source(loaders: dict[str, dict], counts: dict[str, int]) -> dict[str, dic
     ``source@jofk``) gets its parts' stats merged, each part's own under ``"parts"``. Counts add up; a file
     skipped whole is skipped by every part (each opens every file), so it is counted once."""
     out: dict[str, dict] = {}
+    named: set[str] = set()
     for source, k in counts.items():
         keys = part_keys(source, k)
+        named.update(keys)
         if k == 1 or not all(key in loaders for key in keys):
             out.update({key: loaders[key] for key in keys if key in loaders})
             continue
@@ -98,9 +100,7 @@ def by_source(loaders: dict[str, dict], counts: dict[str, int]) -> dict[str, dic
         merged.update(skipped=skipped + sum(files.values()), skipped_distinct=distinct + len(files),
                       skipped_files=files)
         out[source] = merged
-    for key, st in loaders.items():       # (a loader the counts do not name: as it is)
-        if not any(key in part_keys(s, k) for s, k in counts.items()):
-            out[key] = st
+    out.update({key: st for key, st in loaders.items() if key not in named})    # (loaders the counts do not name)
     return out
 
 

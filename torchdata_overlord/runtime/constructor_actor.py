@@ -64,6 +64,10 @@ class _Work:
         self.triggered = False
         self.waiters: list[_Waiter] = []
 
+    def unasked(self) -> bool:
+        """Neither planned nor asked for by the leader: once the leader has left, never planned."""
+        return self.plan is None and not self.triggered
+
 
 class ConstructorActor(RoleActor):
     """``ConstructorActor(index, seq_len, pad_id, ignore_index, image_token_id, peers, timeout, store=None)``."""
@@ -159,7 +163,7 @@ class ConstructorActor(RoleActor):
             self.leader_gone = str(reason)
             futs = []
             for work in self.steps.values():
-                if work.plan is None and not work.triggered:
+                if work.unasked():
                     futs += [w.fut for w in work.waiters]
                     work.waiters = []
         fail_all(futs, JobClosed(self.leader_gone))
@@ -183,9 +187,8 @@ class ConstructorActor(RoleActor):
         fut: cf.Future = cf.Future()
         with self.lock:
             err = self._refuse(gen, step)
-            gone = self.steps.get(step)
-            if err is None and self.leader_gone is not None and not lead and (
-                    gone is None or (gone.plan is None and not gone.triggered)):
+            known = self.steps.get(step)
+            if err is None and self.leader_gone is not None and not lead and (known is None or known.unasked()):
                 err = JobClosed(self.leader_gone)
             if err is not None:
                 settle(fut, exc=err)
