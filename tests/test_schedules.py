@@ -249,6 +249,50 @@ def test_mix_realises_schedule_and_survives_state_round_trip(mixtures, batch, cu
         _check_cumulative(p.stats["mixture"]["cumulative"], target)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_schedule_the_strategy_builds_at_every_plan_runs_as_one_built_once(seed):
+    """``g.mix(ol.Dynamic(...))`` written inside the strategy makes a new schedule object at every plan: it
+    carries on from the running state of the step before (as one object built once does, with the same
+    feedback), also after a state round trip at a random step; switching to a schedule of another
+    definition starts that one as it was made. (It used to restart from its initial weights every step.)"""
+    rng = np.random.default_rng(seed)
+    batch, steps, cut = 24, 12, int(rng.integers(1, 11))
+    feedback = [{n: float(rng.normal()) for n in NAMES[:3]} for _ in range(steps)]
+    initial = {"a": 1.0, "b": 2.0, "c": 1.0}
+    bufs = _big_buffers(batch)
+    mesh = ol.ClientPlaceTree(dp=2)
+
+    def inside(switch_at=None):
+        def strategy(g):
+            if switch_at is not None and g.ctx.step >= switch_at:
+                sched = ol.Dynamic({"a": 1.0, "b": 1.0, "c": 3.0}, lr=0.5)      # another definition
+            else:
+                sched = ol.Dynamic(initial, lr=0.7)
+            return g.mix(sched).distribute("DP").balance("greedy", microbatches=2)
+        return ol.Planner(strategy, mesh, batch, seed)
+
+    once = ol.Dynamic(initial, lr=0.7)
+    outside = ol.Planner(lambda g: g.mix(once).distribute("DP").balance("greedy", microbatches=2), mesh, batch, seed)
+    a, b = inside(), inside()
+    want, got = [], []
+    for step in range(steps):
+        if step == cut:
+            b = inside()
+            b.load_state_dict(a.state_dict())
+        want.append(outside.plan(bufs, feedback=[feedback[step]]).to_dict())
+        got.append(a.plan(bufs, feedback=[feedback[step]]).to_dict())
+        if step >= cut:
+            assert b.plan(bufs, feedback=[feedback[step]]).to_dict() == want[-1], step
+    assert got == want
+    assert abs(once.weights(0)["b"] - 0.5) > 1e-3              # the feedback moved the weights
+    switched = inside(switch_at=cut)
+    for step in range(cut + 1):
+        p = switched.plan(bufs, feedback=[feedback[step]])
+    fresh = ol.Dynamic({"a": 1.0, "b": 1.0, "c": 3.0}, lr=0.5)
+    fresh.update(feedback[cut])
+    assert p.stats["mixture"]["weights"] == pytest.approx(fresh.weights(0))
+
+
 @pytest.mark.parametrize("sched", [
     ol.Linear({"a": 0.9, "b": 0.1}, {"a": 0.1, "b": 0.5, "c": 0.4}, steps=17),
     ol.Cosine({"a": 1}, {"c": 1}, steps=13, start_step=4),

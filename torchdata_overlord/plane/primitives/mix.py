@@ -26,6 +26,18 @@ def _owned_by(schedule, planner) -> bool:
     return planner is None or owner is None or owner() is planner
 
 
+def _rebuilt(schedule, planner, key: str) -> bool:
+    """Whether ``schedule`` is a new object of the same definition (:meth:`~..schedules.Schedule.spec`) as the
+    one ``planner`` moved at this primitive the step before: a strategy that builds its schedule when called."""
+    before = getattr(planner, "_live", {}).get(key)
+    if before is None or before is schedule:
+        return False
+    try:
+        return _MOVED_BY.get(schedule) is None and before.spec() == schedule.spec()
+    except TypeError:
+        return False
+
+
 def _own(schedule, planner) -> None:
     """Mark ``schedule`` as moved by ``planner`` (kept beside it, not in it: a schedule must still pickle)."""
     if planner is not None:
@@ -54,7 +66,11 @@ class Mix:
         key = ctx.key(self.KIND)
         saved = ctx.state.get(key, {})
         with _SCHEDULES:
-            if not _owned_by(self.schedule, ctx.planner):
+            if _rebuilt(self.schedule, ctx.planner, key) and self.STATE_SCHEDULE in saved:
+                # the strategy made this schedule anew (e.g. ol.Dynamic(...) inside the strategy function): the
+                # same schedule as the step before, which carries on from its running state, not from the start
+                self.schedule.load_state_dict(saved[self.STATE_SCHEDULE])
+            elif not _owned_by(self.schedule, ctx.planner):
                 # another Planner of this process (a loader of the same strategy, open or closed) moved this
                 # schedule object last: this Planner's own running state, or the schedule as it was made
                 if self.STATE_SCHEDULE in saved:
