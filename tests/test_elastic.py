@@ -229,6 +229,66 @@ if __name__ == "__main__":
             assert sorted(seen) == sorted(read_order(corpus, s, len(seen))), (case, s)
 
 
+def dynamic_strategy(g):
+    """Module level (the rpc workers unpickle it); builds its Dynamic schedule at every plan."""
+    return (g.mix(ol.Dynamic({"web": 0.5, "code": 0.3, "long": 0.2}, lr=2.0)).distribute("DP")
+            .cost(ol.token_count).balance("greedy", microbatches=2).plan())
+
+
+def loss(step: int) -> dict:
+    """A deterministic stand-in for per-source training loss."""
+    return {"web": 1.0 + (step % 3), "code": 2.0, "long": 0.5 * (step % 2)}
+
+
+def run_with_feedback(loader, steps: int, start: int = 0) -> list:
+    out = []
+    for i, item in zip(range(steps), loader):
+        out.append(item)
+        loader.feedback(loss(start + i))
+    return out
+
+
+@pytest.mark.slow
+def test_a_resume_from_the_checkpoint_store_keeps_the_trainers_feedback(corpus, tmp_path):
+    """A fault-tolerant rpc job with a Dynamic schedule and feedback at every step writes its store; a local
+    loader resumed from it continues exactly like an uninterrupted run: the resumed state holds the feedback the
+    trainer gave by that step for the plans after it, which the store takes from the plans that used it (it
+    used to keep only what was unplanned at the step, and the plans after the resume lost the rest). Resuming
+    at a step whose feedback the job had not planned when it stopped says so."""
+    store = tmp_path / "store"
+    script = f"""
+import sys
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+import torchdata_overlord as ol
+from test_elastic import make_loader, dynamic_strategy, run_with_feedback
+from torchdata_overlord.sim.corpus import build_demo_corpus
+corpus = build_demo_corpus({str(Path(corpus.root))!r}, scale="test", seed=0)
+if __name__ == "__main__":
+    ft = ol.FaultTolerance(checkpoint_dir={str(store)!r}, shadows=False, snapshot_every=3)
+    with make_loader(corpus, {{"dp": 2}}, 12, strat=dynamic_strategy, runtime="rpc", fault_tolerance=ft,
+                     n_workers=2) as a:
+        run_with_feedback(a, 11)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with make_loader(corpus, {"dp": 2}, 12, strat=dynamic_strategy) as ref:
+        stream = run_with_feedback(ref, 12)
+    kept = ol.runtime.checkpoint_store.CheckpointStore(str(store)).steps("planner")
+    newest, prefetch = kept[-1], 2
+    exact = [at for at in kept if at + prefetch + 1 <= newest]
+    assert exact, kept
+    for at in (exact[0], newest - 1):
+        with make_loader(corpus, {"dp": 2}, 12, strat=dynamic_strategy) as b:
+            changes = b.load_checkpoint_store(str(store), step=at)
+            tail = run_with_feedback(b, 12 - at, start=at)
+        if at in exact:
+            assert changes == []
+            for x, y in zip(tail, stream[at:]):
+                assert_identical(x, y)
+        else:
+            assert any(c.startswith("feedback: the plans of steps") for c in changes), changes
+
+
 @pytest.mark.slow
 def test_a_job_restarts_elastically_from_its_checkpoint_store(corpus, tmp_path):
     """A fault-tolerant rpc job at dp=2 writes its checkpoint store; a local loader at dp=3 cp=2 resumes

@@ -192,6 +192,7 @@ class OverlordLoader:
         self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,
                                       buffer_size=buffer_size, workers=workers, image_token_id=image_token_id,
                                       pad_id=pad_id, **extra)
+        self._job.prefetch = prefetch            # the Planner's checkpoints record it (see load_checkpoint_store)
         names = [getattr(s, "name", s) for s in sources]
         self._config = {"sources": names, "seed": seed, "global_batch": global_batch, "seq_len": seq_len,
                         "mesh": mesh.to_dict(), "image_token_id": image_token_id,
@@ -449,23 +450,27 @@ class OverlordLoader:
         :meth:`load_state_dict`. ``step``: the steps your model checkpoint consumed (default: the last
         step every trainer had reported consumed, up to ``prefetch`` steps fewer than they had). Each
         source's state is its last snapshot plus a replay of the steps since, read again here
-        (:mod:`~torchdata_overlord.runtime.store_state`). Returns every change, in words."""
+        (:mod:`~torchdata_overlord.runtime.store_state`); the trainer feedback given by ``step`` comes
+        from the checkpoints of the plans that used it (a ``step`` within ``prefetch`` steps of the
+        store's last plan may lack some: the returned changes, also warned, say so). Returns every
+        change, in words."""
         from .runtime.store_state import job_from_store
         cfg = self._job.cfg
-        step, job, saved = job_from_store(checkpoint_dir, {s.name: s for s in self._sources if not isinstance(s, str)},
-                                          lambda name: cfg.get(cfg.buffer_size, name, cfg.global_batch), step)
+        step, job, saved, changes = job_from_store(checkpoint_dir, {s.name: s for s in self._sources
+                                                                    if not isinstance(s, str)},
+                                                   lambda name: cfg.get(cfg.buffer_size, name, cfg.global_batch), step)
         if saved["seed"] != self._config["seed"]:
             raise ConfigError(f"the store at {checkpoint_dir} comes from a job of seed {saved['seed']}, this loader's "
                               f"is {self._config['seed']}; resume with the same seed")
         saved = {**self._config, **saved}               # what the store does not record is taken as this loader's
         source_changes(saved["sources"], self._config["sources"], sources_changed)
         loader_state.check_job(job, step, saved)
-        return self._resume(step, job, saved, [])
+        return self._resume(step, job, saved, changes, "load_checkpoint_store")
 
-    def _resume(self, step: int, job: dict, saved: dict, changes: list[str]) -> list[str]:
+    def _resume(self, step: int, job: dict, saved: dict, changes: list[str], how: str = "load_state_dict") -> list[str]:
         """Continue at ``step`` with ``job`` (checked, saved under config ``saved``) at the next ``iter()``."""
         if changes:
-            warnings.warn("OverlordLoader.load_state_dict: " + "; ".join(changes), stacklevel=3)
+            warnings.warn(f"OverlordLoader.{how}: " + "; ".join(changes), stacklevel=3)
         job, elastic = adapt(job, step, saved, self._config, self._initial_job)
         for source in self._sources:              # another file set, seed or column choice: refused here
             if hasattr(source, "check_state") and source.name in saved["sources"]:

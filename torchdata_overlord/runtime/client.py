@@ -74,6 +74,7 @@ class Job(ClientRecovery):
         self._routing: dict[int, int] = {}  # rank -> the constructor that served it last
         self.transport: Transport | None = None
         self.client = 0
+        self.prefetch: int | None = None    # the trainer's prefetch (its feedback's lead), told to the Planner
         self.fetches = 0                    # constructor fetch calls this client made
         self._registry = None               # the leader tells the other clients where a new Planner is
         self._planners = 0                  # replacement Planners started
@@ -121,7 +122,8 @@ class Job(ClientRecovery):
                 settle(req.out, exc=JobReset(f"step {req.step} was asked for before the job restarted at step {step}"))
             # a Planner lost before or during the attach (its process killed before the first step, or right
             # after a load_state_dict()) is replaced or learned, then asked again, as for any other call to it
-            reply = self._ask_planner(lambda p: p.attach(self.client, state if self.is_leader else None, step))
+            reply = self._ask_planner(lambda p: p.attach(self.client, state if self.is_leader else None, step,
+                                                          self.prefetch))
             self._gen, self._next = reply["gen"], reply["step"]
 
     def add_feedback(self, step: int, values: Mapping[str, float]) -> None:

@@ -63,6 +63,7 @@ class PlannerActor(RoleActor):
         self.name = PLANNER
         self.gen = 0
         self.feedback = FeedbackLog()                  # the leader's feedback for steps not planned yet
+        self.prefetch: int | None = None               # the leader's prefetch: its feedback targets consumed + prefetch
         self.versions: dict[int, dict] = {}            # steps planned -> the job's state then (for rewinds)
         self.releases = Releases(self)                 # what every client consumed; steps to forget
         self.failed: tuple[int, BaseException] | None = None
@@ -81,13 +82,17 @@ class PlannerActor(RoleActor):
         return self.planner.step
 
     # -- clients ------------------------------------------------------------------------------
-    def attach(self, client: int, state: dict | None, step: int) -> dict | cf.Future:
+    def attach(self, client: int, state: dict | None, step: int, prefetch: int | None = None) -> dict | cf.Future:
         """Start (or restart) a client at consumed ``step``. The leader's ``state`` (None: keep the
-        current one) resets every role; the others must start where the leader did."""
+        current one) resets every role; the others must start where the leader did. The leader's
+        ``prefetch`` goes into the checkpoints: a resume from the store needs it to tell which feedback the
+        trainer had given by a step (see :mod:`.store_state`)."""
         if self.aborted is not None and client != self.LEADER:
             raise JobClosed(self.aborted)
         self.attaches[client] += 1
         if client == self.LEADER:
+            if prefetch is not None:
+                self.prefetch = int(prefetch)
             if state is not None:
                 self.new_generation(state)
             else:
@@ -174,8 +179,9 @@ class PlannerActor(RoleActor):
                         if ex}
                 return [s for s in self.sources if s in done]
 
+            applied = [[step, v] for v in self.feedback.due(step)]
             plan = plan_step(self.planner, [metas[n] for n in self.sources], self.feedback, exhausted)
-            self._dispatch(step, plan, seen)
+            self._dispatch(step, plan, seen, applied)
         except BaseException as e:         # noqa: BLE001 - every client asking for this step or later gets it
             self.fail_from(step, e)
 
@@ -190,7 +196,8 @@ class PlannerActor(RoleActor):
             except Exception:              # noqa: BLE001 - a lost constructor's clients learn from their own call
                 pass
 
-    def _dispatch(self, step: int, plan: Plan, seen: int) -> None:
+    def _dispatch(self, step: int, plan: Plan, seen: int, applied: list) -> None:
+        """Send the step's samples to the constructors and commit it; ``applied``: the feedback its plan used."""
         r, gen = self.recovery, self.gen
         routes = route(plan, self.n, self.sources)
         while True:                         # a constructor replaced meanwhile: send again to the new one
@@ -207,7 +214,7 @@ class PlannerActor(RoleActor):
                 self.ahead.keep(gen, step + 1, delivered)
                 state = JobState.make(self.planner.state_dict(), self.parts.merge_states(r.loader_state), self.feedback)
                 self.versions[step + 1] = state
-                r.checkpoints.checkpoint(step + 1, state, routes.sampled)
+                r.checkpoints.checkpoint(step + 1, state, routes.sampled, applied)
                 info = {"constructors": names, "where": dict(r.spares.where), "delayed": len(r.events) > seen}
                 self.releases.committed(gen, step, {c: r.constructor_ref(names[c]).commit(
                     gen, step, plan, routes.buckets[c], state, info) for c in range(self.n)})

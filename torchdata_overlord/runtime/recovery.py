@@ -207,6 +207,7 @@ class Recovery:
         newest, version, ck = self.checkpoints.restore_point()
         self.checkpoints.restore_roles(newest["roles"])
         job.gen = int(newest["gen"])
+        job.prefetch = newest.get("prefetch")
         self.replaced[PLANNER_KEY] += 1
         self.home = home
         self.peers.learn(dict(self.spares.where))

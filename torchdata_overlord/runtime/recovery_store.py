@@ -40,12 +40,14 @@ class RecoveryStore:
         r.spares.dead = set(roles.get("dead_spares", []))
         r.replaced.update(roles.get("replaced", {}))
 
-    def checkpoint(self, version: int, state: dict, consumed: Mapping[str, list]) -> None:
-        """Step ``version``'s checkpoint: the Planner, the unplanned feedback, what the step took from each
-        source, where every client is and who serves where; then the store keeps what a replay needs."""
+    def checkpoint(self, version: int, state: dict, consumed: Mapping[str, list], applied: list = ()) -> None:
+        """Step ``version``'s checkpoint: the Planner, the unplanned feedback, the feedback the plan of step
+        ``version - 1`` used (``applied``) and the leader's prefetch, what the step took from each source, where
+        every client is and who serves where; then the store keeps what a replay needs."""
         if self.store is None:
             return
         self.store.put(PLANNER_KEY, version, {"planner": state[JobState.PLANNER], "feedback": state[JobState.FEEDBACK],
+                                              "applied": [list(e) for e in applied], "prefetch": self.r.job.prefetch,
                                               "consumed": {s: list(consumed.get(s, [])) for s in self.r.sources},
                                               "released": self.r.job.releases.released, "gen": self.r.job.gen,
                                               "roles": self.roles()})

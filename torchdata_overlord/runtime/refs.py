@@ -131,8 +131,8 @@ class ConstructorRef(ActorRef):
 class PlannerRef(ActorRef):
     """The Planner (:class:`~.planner_actor.PlannerActor`)."""
 
-    def attach(self, client, state, step, timeout=None):
-        return self._call("attach", client, state, step, timeout=timeout)
+    def attach(self, client, state, step, prefetch=None, timeout=None):
+        return self._call("attach", client, state, step, prefetch, timeout=timeout)
 
     def abort(self, reason, timeout=None):
         return self._call("abort", reason, timeout=timeout)

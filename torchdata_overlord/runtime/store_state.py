@@ -1,12 +1,16 @@
 """A job's state read back from its fault-tolerance checkpoint store, to restart from the data plane's
 own checkpoints (under the same or another mesh) rather than from a trainer's ``state_dict()``.
 
-The store holds, per planned step, the Planner's checkpoint (its state, the unplanned feedback, what
-the step took from each source, how many steps every trainer had consumed) and, every
-``snapshot_every`` steps, each source's state (see :mod:`.recovery_store`). The state after step
-``k`` is the Planner's checkpoint at ``k`` and, per source, its last snapshot at or before ``k`` plus
-a replay of what the steps since took: the replay reads and transforms those rows again, in this
-process, on a copy of the source.
+The store holds, per planned step, the Planner's checkpoint (its state, the unplanned feedback, the
+feedback its plan used, the leader's prefetch, what the step took from each source, how many steps
+every trainer had consumed) and, every ``snapshot_every`` steps, each source's state (see
+:mod:`.recovery_store`). The state after step ``k`` is the Planner's checkpoint at ``k``; per source,
+its last snapshot at or before ``k`` plus a replay of what the steps since took (the replay reads and
+transforms those rows again, in this process, on a copy of the source); and the feedback the trainer
+had given by consuming ``k`` steps, for plans after ``k``: feedback given after consuming ``c`` steps
+weighs the plan of ``c + prefetch``, so it is what the plans of steps ``k .. k + prefetch`` used, taken
+from their checkpoints. A plan the store does not have yet (the job stopped before it) may lack
+feedback the trainer gave; the resume then says so.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ __all__ = ["job_from_store"]
 
 
 def job_from_store(root: str, sources: Mapping[str, object], buffer_size: Callable[[str], int],
-                   step: int | None = None) -> tuple[int, dict, dict]:
-    """``(step, job, saved config)`` from the store at ``root``: the state after ``step`` steps (default:
+                   step: int | None = None) -> tuple[int, dict, dict, list[str]]:
+    """``(step, job, saved config, changes in words)`` from the store at ``root``: the state after ``step`` steps (default:
     the last step every trainer had reported consumed, which may be up to ``prefetch`` steps before what
     they really consumed: pass the step of your model checkpoint to resume exactly). ``sources`` (name ->
     Source) are replayed on copies; a source of the store not among them keeps its snapshot (it was
@@ -67,7 +71,38 @@ def job_from_store(root: str, sources: Mapping[str, object], buffer_size: Callab
         finally:
             loader.close()
     planner = ck["planner"]
-    job = {JobState.PLANNER: planner, JobState.LOADERS: loaders, JobState.FEEDBACK: ck["feedback"]}
+    feedback, changes = _feedback_by(store, at, kept)
+    job = {JobState.PLANNER: planner, JobState.LOADERS: loaders, JobState.FEEDBACK: feedback}
     saved = {"sources": names, "seed": planner["seed"], "global_batch": planner["global_batch"],
              "mesh": planner["mesh"]}
-    return at, job, saved
+    return at, job, saved, changes
+
+
+def _feedback_by(store: CheckpointStore, at: int, kept: list[int]) -> tuple[list, list[str]]:
+    """The feedback the trainer had given by consuming ``at`` steps, for the plans of ``at`` and later
+    (``[step, values]`` entries, in the order given), and what the store cannot tell, in words."""
+    records = {v: store.get(PLANNER_KEY, v) for v in kept if v >= at}
+    newest = records[kept[-1]]
+    if any("applied" not in r for r in records.values()):
+        # written before the store recorded the feedback each plan used: only what was unplanned at `at`
+        return records[at]["feedback"], ["feedback: this store was written by an older version, which did not record "
+                                          "the feedback each plan used; if the job gave feedback(), the plans after "
+                                          "the resumed step use only what was not yet planned when it was checkpointed"]
+    # (the checkpoint of step 0 may predate the leader's attach, which tells the prefetch)
+    prefetch = next((r["prefetch"] for r in reversed(records.values()) if r.get("prefetch") is not None), None)
+    if prefetch is None:
+        return records[at]["feedback"], []
+    feedback, unplanned = [], []
+    for t in range(at, at + int(prefetch) + 1):
+        if t + 1 in records:                             # planned: what its plan used
+            feedback += [[t, dict(values)] for _, values in records[t + 1]["applied"]]
+        else:                                            # not planned when the job stopped: what it had heard
+            feedback += [[s, dict(values)] for s, values in newest["feedback"] if s == t]
+            unplanned.append(t)
+    used = any(r["applied"] or r["feedback"] for r in records.values())
+    if unplanned and used:
+        return feedback, [f"feedback: the plans of steps {unplanned} were not made before the job stopped, so feedback "
+                          f"the trainer gave for them may be missing from the store (it has "
+                          f"{sum(s in unplanned for s, _ in feedback)} entries for them); resume at step "
+                          f"{kept[-1] - int(prefetch) - 1} or earlier for the exact stream"]
+    return feedback, []
