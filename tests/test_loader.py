@@ -408,6 +408,76 @@ def test_dynamic_schedule_feedback_through_the_loader_is_deterministic_and_resum
             [x for _, x in zip(range(4), static)]
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_state_loaded_inside_a_running_loop_applies_from_the_next_item(corpus, prefetch):
+    """A rollback inside ``for batch in loader`` (load_state_dict of an earlier state): the loop's next item
+    is the loaded step's, the stream from there is the uninterrupted one, and state_dict() describes what the
+    loop consumed. (The loop used to go on with the old stream while state_dict() said the loaded step, so a
+    checkpoint taken then repeated steps on resume.)"""
+    mesh = ol.ClientPlaceTree(dp=2)
+
+    def make():
+        return ol.OverlordLoader(make_sources(corpus, names=("web", "code")),
+                                 lambda g: g.mix({"web": 0.6, "code": 0.4}).distribute("DP").plan(),
+                                 mesh, rank=0, global_batch=8, seq_len=None, prefetch=prefetch)
+
+    with make() as ref:
+        stream = [x for _, x in zip(range(8), ref)]
+    got = []
+    with make() as loader:
+        for i, item in enumerate(loader):
+            got.append(item)
+            if i == 2:
+                saved = loader.state_dict()
+            if i == 5:
+                loader.load_state_dict(saved)
+            if len(got) == 9:
+                end = loader.state_dict()
+                break
+    assert [x["step"] for x in got] == [0, 1, 2, 3, 4, 5, 3, 4, 5]
+    for a, b in zip(got[6:], stream[3:6]):
+        assert_identical(a, b)
+    assert end["step"] == 6
+    with make() as again:
+        again.load_state_dict(end)
+        assert_identical(next(iter(again)), stream[6])
+
+
+def test_feedback_given_right_after_load_state_dict_counts_after_the_loaded_step(corpus):
+    """Feedback given between load_state_dict() and the first next() weighs the plan ``prefetch`` steps after
+    the loaded step, as if given just before the state was saved (it used to be dropped when the state
+    applied)."""
+    mesh = ol.ClientPlaceTree(dp=2)
+
+    def make():
+        schedule = ol.Dynamic({"web": 0.5, "code": 0.3, "long": 0.2}, lr=2.0)
+
+        def strategy(g):
+            return g.mix(schedule).distribute("DP").cost(ol.token_count).balance("greedy", microbatches=2).plan()
+        return ol.OverlordLoader(make_sources(corpus, names=("web", "code", "long")), strategy, mesh, rank=None,
+                                 global_batch=12, seq_len=None, prefetch=1)
+
+    def loss(step):
+        return {"web": 3.0 * (step % 2), "code": 0.0, "long": 2.0 * (step % 3)}
+
+    with make() as ref:
+        stream = []
+        for i, item in zip(range(6), ref):
+            stream.append(item)
+            ref.feedback(loss(i))
+    with make() as first:
+        for i, item in zip(range(3), first):
+            if i < 2:
+                first.feedback(loss(i))
+        saved = first.state_dict()                  # before the feedback of step 2
+    with make() as second:
+        second.load_state_dict(saved)
+        second.feedback(loss(2))
+        for i, item in zip(range(3, 6), second):
+            assert_identical(item, stream[i])
+            second.feedback(loss(i))
+
+
 @pytest.mark.slow
 def test_a_failed_step_is_raised_never_read_as_the_end_of_the_stream(corpus):
     """The producer's last item is its failed step (or an end marker), so ``next()`` raises the

@@ -286,10 +286,10 @@ class OverlordLoader:
 
     def __next__(self) -> dict:
         self._check_open("next()")
-        if not self._active:
+        if not self._active or self._pending is not None:
             if self._pending is None and self.exhausted_reason is not None:
                 raise StopIteration            # an ended stream stays ended (a loaded state restarts it)
-            iter(self)
+            iter(self)                         # (a state loaded inside a running loop applies from this step)
         t0 = time.perf_counter()
         if self.prefetch == 0:
             with self._lock:
@@ -402,6 +402,10 @@ class OverlordLoader:
         """
         self._check_open("feedback()")
         values = {str(k): float(v) for k, v in values.items()}
+        if self._pending is not None:          # given after a load_state_dict(): it follows the loaded step
+            entry = [self._pending[self.K_STEP] + self.prefetch, values]
+            self._pending[self.K_JOB].setdefault(JobState.FEEDBACK, []).append(entry)
+            return
         entry = [self._consumed[self.K_STEP] + self.prefetch, values]
         with self._lock:
             self._job.add_feedback(entry[0], values)
@@ -429,8 +433,9 @@ class OverlordLoader:
         return loader_state.pack(copy.deepcopy(self._config), step, job)
 
     def load_state_dict(self, state: Mapping, strict: bool = True, sources_changed: str = "refuse") -> list[str]:
-        """Check ``state`` as a whole and copy it; the next ``iter()`` continues exactly after the
-        step it describes. A state that is not one this configuration wrote, unmodified, is refused
+        """Check ``state`` as a whole and copy it; the next ``next()`` or ``iter()`` continues exactly
+        after the step it describes (inside a running ``for`` loop too: its next item is the loaded
+        position's; feedback given before it counts as given after the loaded step). A state that is not one this configuration wrote, unmodified, is refused
         with a :class:`ConfigError` naming the first inconsistency. A state saved under another mesh,
         global batch, number of constructors or loader actors, or runtime continues here elastically
         (:mod:`~torchdata_overlord.elastic` says what carries over and what "consumed" means). A state
