@@ -13,6 +13,7 @@ from torchdata_overlord.plane.balancing import BinAssignment
 from torchdata_overlord.plane.dgraph import PlanContext
 from torchdata_overlord.plane.schedules import as_schedule
 from _support import graph, make_buffers
+from test_loader import corpus  # noqa: F401 (fixture)
 
 
 # -- weights and schedules -------------------------------------------------------------------------
@@ -150,12 +151,60 @@ def test_planner_state_from_another_configuration():
 
 def test_planner_construction_errors():
     mesh = ol.ClientPlaceTree(dp=2)
+    for seed in (-1, 1.5, "0", True):
+        with pytest.raises(ol.ConfigError, match=re.escape(f"seed must be an integer >= 0, got {seed!r}")):
+            ol.Planner(lambda g: g, mesh, 8, seed=seed)
+    assert ol.Planner(lambda g: g, mesh, 8, seed=np.int64(3)).seed == 3
     with pytest.raises(ol.ConfigError, match="strategy must be a callable"):
         ol.Planner("mix", mesh, 8)
     with pytest.raises(ol.ConfigError, match="mesh must be a ClientPlaceTree, got dict"):
         ol.Planner(lambda g: g, {"dp": 2}, 8)
     with pytest.raises(ol.ConfigError, match="global_batch must be an integer >= 1, got 0"):
         ol.Planner(lambda g: g, mesh, 0)
+
+
+def test_a_global_batch_smaller_than_the_data_parallel_ranks():
+    """Each sample goes to one DP bucket: fewer samples than buckets would leave a rank with padding only at
+    every step (it used to, silently)."""
+    g = graph(ol.ClientPlaceTree(dp=4, cp=2), {"a": np.arange(1, 20)}, global_batch=3)
+    with pytest.raises(ol.ConfigError, match=r"global_batch 3 is smaller than the 4 data-parallel ranks, so 1 of "
+                                             r"them would get no sample at any step.*give global_batch >= 4"):
+        g.mix({"a": 1}).distribute("DP")
+    g.mix({"a": 1}).distribute("CP")                    # 8 (dp, cp) buckets: a long sample spans several
+
+
+@pytest.mark.parametrize("runtime", ["local", "rpc"])
+@pytest.mark.parametrize("strategy, kw, pattern", [
+    (lambda g: g.mix({"web": 1, "zz": 1}).distribute("DP").plan(), {}, r"unknown sources \['zz'\]"),
+    (lambda g: g.mix({"web": 1}).distribute("XX").plan(), {}, r"unknown axis 'xx'"),
+    (lambda g: g.mix({"web": 1}).distribute("DP").balance("greedy", max_tokens=0).plan(), {}, r"max_tokens"),
+    (lambda g: None, {}, r"strategy must return a Plan or a DGraph, got NoneType"),
+    (lambda g: g.mix({"web": 1}).distribute("DP").plan(), {"global_batch": 1}, r"global_batch 1 is smaller"),
+    (lambda g: g.mix({"web": 1}).distribute("DP").plan(), {"seed": -1}, r"seed must be an integer >= 0"),
+], ids=["unknown-source", "unknown-axis", "max-tokens", "returns-none", "batch-below-dp", "seed"])
+def test_a_bad_strategy_is_refused_where_the_loader_is_made(corpus, runtime, strategy, kw, pattern):
+    """Planned once on stand-in metadata before any role starts: under rpc no process is started for it."""
+    from test_loader import make_sources
+    args = {"global_batch": 4, "seed": 0, **kw}
+    with pytest.raises(ol.ConfigError, match=pattern):
+        ol.OverlordLoader(make_sources(corpus, names=("web",)), strategy, ol.ClientPlaceTree(dp=2), rank=None,
+                          seq_len=None, runtime=runtime, **args)
+
+
+def test_a_strategy_that_needs_real_metadata_is_left_to_its_first_step(corpus):
+    """The stand-ins lack what a custom cost may read: only a ConfigError of the strategy counts."""
+    from test_loader import make_sources
+
+    def needs_images(records):
+        if records.patches.sum() == 0:
+            raise KeyError("no patches in these stand-ins")
+        return records.tokens.astype(float)
+
+    strat = lambda g: g.mix({"web": 1}).distribute("DP").cost(needs_images).balance("greedy").plan()  # noqa: E731
+    with ol.OverlordLoader(make_sources(corpus, names=("web",)), strat, ol.ClientPlaceTree(dp=2), rank=None,
+                           global_batch=4, seq_len=None) as loader:
+        with pytest.raises(KeyError, match="no patches"):
+            next(iter(loader))
 
 
 # -- balance ---------------------------------------------------------------------------------------

@@ -32,10 +32,12 @@ from . import loader_state
 from .elastic import adapt, source_changes
 from .errors import ConfigError, OverlordError
 from .loader_state import transform_spec
+from .plane.dry_run import check_strategy
 from .plane.mixture_probe import mixture_spec
 from .plane.place_tree import ClientPlaceTree
 from .runtime.coverage import check_clients_cover_mesh
 from .runtime.local import LocalJob
+from .roles.planner import check_seed
 from .roles.source_loader import SourceLoader
 from .runtime.step import JobState, SourceExhausted
 from .runtime.rpc_job import RpcJob
@@ -170,6 +172,7 @@ class OverlordLoader:
             raise ConfigError(f"prefetch must be an integer >= 0 (0: each next() builds its own step), got {prefetch!r}")
         if not timeout > 0:
             raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
+        seed = check_seed(seed)
         sources = list(sources)
         self.mesh, self.rank, self.prefetch, self.timeout = mesh, rank, prefetch, float(timeout)
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
@@ -189,6 +192,7 @@ class OverlordLoader:
         elif placement != "auto":
             extra = dict(placement=placement, autoscale=autoscale)
         check_clients_cover_mesh(mesh, rank, group)        # no mesh rank left without a trainer process
+        check_strategy(strategy, mesh, [getattr(s, "name", s) for s in sources], global_batch, seed)
         self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,
                                       buffer_size=buffer_size, workers=workers, image_token_id=image_token_id,
                                       pad_id=pad_id, **extra)

@@ -8,6 +8,7 @@ weights), so a plan is a pure function of (seed, step, buffer metadata, that sta
 from __future__ import annotations
 
 import copy
+import numbers
 from typing import Callable, Mapping, Sequence
 
 from ..errors import ConfigError
@@ -17,7 +18,14 @@ from ..plane.primitives.mix import _owned_by
 from ..plane.plan import Plan
 from ..plane.records import BufferMeta
 
-__all__ = ["Planner"]
+__all__ = ["Planner", "check_seed"]
+
+
+def check_seed(seed) -> int:
+    """A plan's seed seeds numpy's generators: an integer >= 0 (returned as an int)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
+    return int(seed)
 
 
 class Planner:
@@ -39,7 +47,7 @@ class Planner:
             raise ConfigError(f"mesh must be a ClientPlaceTree, got {type(mesh).__name__}")
         if not isinstance(global_batch, int) or global_batch < 1:
             raise ConfigError(f"global_batch must be an integer >= 1, got {global_batch!r}")
-        self.strategy, self.mesh, self.global_batch, self.seed = strategy, mesh, global_batch, int(seed)
+        self.strategy, self.mesh, self.global_batch, self.seed = strategy, mesh, global_batch, check_seed(seed)
         self.summary_buffer = summary_buffer
         self.step = 0
         self.batches = [[0, global_batch]]
