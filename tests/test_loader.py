@@ -367,13 +367,13 @@ print("threads", len([t for t in threading.enumerate() if t is not threading.mai
 def test_dynamic_schedule_feedback_through_the_loader_is_deterministic_and_resumable(corpus, tmp_path):
     mesh = ol.ClientPlaceTree(dp=2)
 
-    def make():
+    def make(prefetch=2):
         schedule = ol.Dynamic({"web": 0.5, "code": 0.3, "long": 0.2}, lr=2.0)
 
         def strategy(g):
             return g.mix(schedule).distribute("DP").cost(ol.token_count).balance("greedy", microbatches=2).plan()
         return ol.OverlordLoader(make_sources(corpus, names=("web", "code", "long")), strategy, mesh, rank=None,
-                                 global_batch=12, seq_len=None, prefetch=2)
+                                 global_batch=12, seq_len=None, prefetch=prefetch)
 
     def loss(step):                       # a deterministic stand-in for per-source training loss
         return {"web": 1.0 + (step % 3), "code": 2.0, "long": 0.5 * (step % 2)}
@@ -397,6 +397,9 @@ def test_dynamic_schedule_feedback_through_the_loader_is_deterministic_and_resum
     for a, b in zip(head + tail, stream):
         assert_identical(a, b)
     assert abs(weights["long"] - 0.2) > 0.05                 # the feedback moved the mixture away from the start
+    with pytest.warns(UserWarning, match=r"prefetch: saved 2, now 3: feedback\(\) given from here weighs the plan 3"):
+        with make(prefetch=3) as other:
+            other.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
     with make() as plain:                                      # without feedback the stream differs
         other = [x for _, x in zip(range(7), plain)]
     keys = lambda items: [[mb["sample_keys"] for mb in x[0]["microbatches"]] for x in items]  # noqa: E731

@@ -199,7 +199,7 @@ class OverlordLoader:
         self._job.prefetch = prefetch            # the Planner's checkpoints record it (see load_checkpoint_store)
         names = [getattr(s, "name", s) for s in sources]
         self._config = {"sources": names, "seed": seed, "global_batch": global_batch, "seq_len": seq_len,
-                        "mesh": mesh.to_dict(), "image_token_id": image_token_id,
+                        "mesh": mesh.to_dict(), "image_token_id": image_token_id, loader_state.PREFETCH: prefetch,
                         loader_state.MIXTURE: mixture_spec(strategy, mesh, names, global_batch, seed),
                         loader_state.TRANSFORMS: {getattr(s, "name", s): transform_spec(s) for s in sources}}
         self._consumed = {self.K_STEP: 0, self.K_JOB: self._job.start_state()}

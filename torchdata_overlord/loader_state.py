@@ -24,6 +24,7 @@ __all__ = ["FORMAT", "pack", "unpack", "transform_spec"]
 FORMAT = 2                    # 2: checksum of the job part, the strategy's mixture in the config
 VERSION, CONFIG, STEP, JOB, CHECKSUM = "version", "config", "step", "job", "checksum"
 MIXTURE = "mixture"           # the config entry a resume may change with strict=False
+PREFETCH = "prefetch"         # how far feedback leads its plan: a change is reported, not refused
 TRANSFORMS = "transforms"     # each source's transform, described: a change needs strict=False too
 FIX = "load a state this loader's configuration wrote, unmodified"
 
@@ -93,12 +94,15 @@ def unpack(state, config: Mapping, strict: bool = True,
     if checksum(text) != state[CHECKSUM]:
         raise _bad("'job'", f"({len(text)} characters) does not match its checksum: it was truncated, corrupted or "
                             f"edited, or (saved with torch.distributed.checkpoint) it mixes the states of trainer ranks "
-                            f"that differ, e.g. ranks that gave feedback() different values or only some of them: "
-                            f"every rank must give the same feedback")
+                            f"that differ: ranks saved after different numbers of steps, or that gave feedback() "
+                            f"different values or only some of them. Save every rank at the same step with the same "
+                            f"feedback; ranks whose states differ are saved per rank (torch.save) and resumed from "
+                            f"ol.elastic.earliest() of them")
     diffs = [f"{k}: saved {theirs.get(k)!r}, now {v!r}" for k, v in config.items()
-             if k not in (MIXTURE, TRANSFORMS, "sources", *ELASTIC) and theirs.get(k) != v]
+             if k not in (MIXTURE, TRANSFORMS, PREFETCH, "sources", *ELASTIC) and theirs.get(k) != v]
     if diffs:
-        raise ConfigError("this state comes from another loader configuration: " + "; ".join(diffs))
+        raise ConfigError("this state comes from another loader configuration: " + "; ".join(diffs) +
+                          "; build the loader with the saved values to resume")
     _keys(theirs, ("sources", *ELASTIC), "'config'")
     saved_sources = [str(x) for x in _of(theirs["sources"], list, "config.sources")]
     removed, added = source_changes(saved_sources, config["sources"], sources_changed)
@@ -108,6 +112,11 @@ def unpack(state, config: Mapping, strict: bool = True,
         raise _bad("'job'", f"is not JSON ({e})") from None
     check_job(_of(job, dict, "'job'"), step, theirs)
     changes = []
+    dynamic = bool(job.get(JobState.FEEDBACK)) or '"Dynamic"' in str(config.get(MIXTURE))
+    if theirs.get(PREFETCH) is not None and theirs[PREFETCH] != config.get(PREFETCH) and dynamic:
+        changes.append(f"prefetch: saved {theirs[PREFETCH]}, now {config.get(PREFETCH)}: feedback() given from here "
+                       f"weighs the plan {config.get(PREFETCH)} steps after it, not {theirs[PREFETCH]}, so a dynamic "
+                       f"schedule's stream differs from the uninterrupted run")
     if theirs.get(MIXTURE) != config[MIXTURE]:
         change = f"the strategy's mixture: saved {theirs.get(MIXTURE)}, now {config[MIXTURE]}"
         if strict and not (removed or added):

@@ -33,8 +33,9 @@ WEIGHTS_END = {"web": 0.3, "code": 0.3, "long": 0.2, "caps": 0.2}
 
 
 def make_loader(corpus, rank: int, steps: int) -> ol.OverlordLoader:
-    """Everything a training script sets up once; a resumed job must build the same configuration
-    (sources, seed, mesh, batch: the loader refuses a state from another one)."""
+    """Everything a training script sets up once; a resumed job builds the same configuration (the
+    loader refuses a state of other sources, seed, strategy or transforms; another mesh or global batch
+    resumes elastically, see tutorials/elastic_resume.py)."""
     sources = [corpus.source("web"), corpus.source("code"), corpus.source("long"),
                corpus.source("caps", transform=corpus.transform("caps", max_side=224))]
     mesh = ol.ClientPlaceTree(pp=2, dp=2, cp=2, tp=2)
