@@ -446,6 +446,35 @@ def test_a_state_loaded_inside_a_running_loop_applies_from_the_next_item(corpus,
         assert_identical(next(iter(again)), stream[6])
 
 
+def test_threads_sharing_a_fresh_loader_get_every_step_once(corpus):
+    """Two threads calling next() on a loader nobody started: one of them starts the stream, and together they
+    get every step once (both used to start it, and one failed with a JobReset that said nothing useful)."""
+    import copy
+    import pickle
+    for _ in range(3):
+        with ol.OverlordLoader(make_sources(corpus, names=("web", "code")), lambda g: g.mix({"web": 1, "code": 1})
+                               .distribute("DP").plan(), ol.ClientPlaceTree(dp=2), rank=0, global_batch=4,
+                               seq_len=None) as loader:
+            got, errors, go = [[], []], [], threading.Barrier(2)
+
+            def take(i):
+                try:
+                    go.wait(timeout=60)
+                    for _ in range(20):
+                        got[i].append(next(loader)["step"])
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+            threads = [threading.Thread(target=take, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            assert errors == [] and sorted(got[0] + got[1]) == list(range(40))
+            for copier in (copy.copy, copy.deepcopy, pickle.dumps):
+                with pytest.raises(TypeError, match=r"cannot be pickled or copied.*loader.state_dict\(\)"):
+                    copier(loader)
+
+
 def test_feedback_given_right_after_load_state_dict_counts_after_the_loaded_step(corpus):
     """Feedback given between load_state_dict() and the first next() weighs the plan ``prefetch`` steps after
     the loaded step, as if given just before the state was saved (it used to be dropped when the state

@@ -216,12 +216,18 @@ class OverlordLoader:
         self._ahead: collections.deque = collections.deque()      # the same futures, to peek at the head
         self._closed = False
         self._lock = threading.Lock()      # the producer steps the job under it; stats() reads under it
+        self._starting = threading.Lock()  # one next() (re)starts the stream when threads share the loader
         self.exhausted_reason: str | None = None
         self.last_plan = None              # the Plan of the step the trainer consumed last (stats, render)
         self._handed = None                # the batch the last next() returned (freed by the producer, see next())
         self._feedback: list[list] = []    # [step, values] given by the trainer, until planned and consumed
         self._waits: collections.deque = collections.deque(maxlen=1000)   # seconds next() waited, recent steps
         self.stalls = 0                    # next() calls that waited for a step delayed by a role's failure
+
+    def __reduce__(self):
+        raise TypeError("an OverlordLoader cannot be pickled or copied: it runs a prefetch thread (and, with "
+                        "runtime='rpc', role processes) for one stream. Hand over loader.state_dict() instead and "
+                        "continue it with load_state_dict() on a loader built where it is needed")
 
     # -- iteration -----------------------------------------------------------------------------
     def __iter__(self) -> "OverlordLoader":
@@ -291,9 +297,11 @@ class OverlordLoader:
     def __next__(self) -> dict:
         self._check_open("next()")
         if not self._active or self._pending is not None:
-            if self._pending is None and self.exhausted_reason is not None:
-                raise StopIteration            # an ended stream stays ended (a loaded state restarts it)
-            iter(self)                         # (a state loaded inside a running loop applies from this step)
+            with self._starting:
+                if not self._active or self._pending is not None:
+                    if self._pending is None and self.exhausted_reason is not None:
+                        raise StopIteration    # an ended stream stays ended (a loaded state restarts it)
+                    iter(self)                 # (a state loaded inside a running loop applies from this step)
         t0 = time.perf_counter()
         if self.prefetch == 0:
             with self._lock:
