@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -300,3 +301,51 @@ def test_a_fork_server_leaves_a_shared_socket_folder_to_the_process_that_made_it
     assert len(got["ours"]) == 1 and got["ours"][0] in got["left"]          # the trainer's socket stayed
     assert not os.path.exists(got["folder"])                                # removed at the trainer's exit
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_terminal_is_the_trainers_to_handle(corpus, tmp_path):
+    """A terminal's Ctrl-C reaches the trainer's whole process group, role processes included. They leave it to
+    the trainer: one that catches it and goes on (a notebook's interrupt) keeps its job, and one that exits leaves
+    no process behind and no traceback of a role process (each role process used to die of it, printing one, and
+    the job was lost)."""
+    script = f"""
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)    # (a background job starts with SIGINT ignored)
+sys.path.insert(0, {str(TESTS)!r})
+from test_rpc_process_lifecycle import make_loader
+from torchdata_overlord.sim.corpus import build_demo_corpus
+if __name__ == "__main__":
+    corpus = build_demo_corpus({str(Path(corpus.root))!r}, scale="test", seed=0)
+    with make_loader(corpus, "train", "rpc", n_workers=2) as loader:
+        it = iter(loader)
+        next(it)
+        print("ready", flush=True)
+        try:
+            while True:
+                next(it)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        print("continued", [x[0]["step"] for _, x in zip(range(3), loader)], flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=str(ROOT), start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:]
+        os.killpg(proc.pid, signal.SIGINT)                       # as a terminal's Ctrl-C does
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert "interrupted" in out and "continued [" in out, out + err[-3000:]
+    assert "overlord-actors" not in err and "Traceback" not in err, err[-3000:]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:                           # the group empties as the roles exit
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"processes of the trainer's group are left: {subprocess.run(['pgrep', '-g', str(proc.pid), '-a'], capture_output=True, text=True).stdout}")

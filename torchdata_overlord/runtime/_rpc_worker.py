@@ -25,6 +25,7 @@ import gc
 import itertools
 import os
 import pickle
+import signal
 import threading
 import traceback
 from typing import Callable
@@ -332,6 +333,9 @@ def worker_main(name: str, rank: int, world_size: int, init_method: str, rpc_tim
     the launcher calls :func:`_exit_now`; then exit at once, without a shutdown barrier."""
     from .rendezvous import register
 
+    # a Ctrl-C in the terminal reaches the whole process group: it is the trainer's to handle (it closes the job,
+    # or goes on, as in a notebook); this process ends with its parent's pipe, not with a traceback of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(LOOPBACK_ENV if env is None else env)
     set_cpp_log_level(CPP_ERRORS_ONLY, at_least=True)
     register()
