@@ -181,7 +181,11 @@ def test_a_global_batch_smaller_than_the_data_parallel_ranks():
     (lambda g: None, {}, r"strategy must return a Plan or a DGraph, got NoneType"),
     (lambda g: g.mix({"web": 1}).distribute("DP").plan(), {"global_batch": 1}, r"global_batch 1 is smaller"),
     (lambda g: g.mix({"web": 1}).distribute("DP").plan(), {"seed": -1}, r"seed must be an integer >= 0"),
-], ids=["unknown-source", "unknown-axis", "max-tokens", "returns-none", "batch-below-dp", "seed"])
+    (lambda g: g.mix({"web": 1}).distribute("DP").plan(), {"pad_id": -1}, r"pad_id must be a token id.*got -1"),
+    (lambda g: g.mix({"web": 1}).distribute("DP").plan(), {"image_token_id": 2.0},
+     r"image_token_id must be a token id.*got 2.0"),
+], ids=["unknown-source", "unknown-axis", "max-tokens", "returns-none", "batch-below-dp", "seed", "pad-id",
+        "image-token-id"])
 def test_a_bad_strategy_is_refused_where_the_loader_is_made(corpus, runtime, strategy, kw, pattern):
     """Planned once on stand-in metadata before any role starts: under rpc no process is started for it."""
     from test_loader import make_sources

@@ -18,6 +18,7 @@ import collections
 import concurrent.futures as cf
 import copy
 import logging
+import numbers
 import os
 import queue
 import threading
@@ -173,6 +174,10 @@ class OverlordLoader:
         if not timeout > 0:
             raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
         seed = check_seed(seed)
+        for name, value in (("pad_id", pad_id), ("image_token_id", image_token_id)):
+            if not (value is None and name == "image_token_id") and (
+                    isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
+                raise ConfigError(f"{name} must be a token id, an integer >= 0 (an embedding row), got {value!r}")
         sources = list(sources)
         self.mesh, self.rank, self.prefetch, self.timeout = mesh, rank, prefetch, float(timeout)
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
