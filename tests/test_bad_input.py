@@ -164,13 +164,16 @@ def test_planner_construction_errors():
 
 
 def test_a_global_batch_smaller_than_the_data_parallel_ranks():
-    """Each sample goes to one DP bucket: fewer samples than buckets would leave a rank with padding only at
-    every step (it used to, silently)."""
-    g = graph(ol.ClientPlaceTree(dp=4, cp=2), {"a": np.arange(1, 20)}, global_batch=3)
-    with pytest.raises(ol.ConfigError, match=r"global_batch 3 is smaller than the 4 data-parallel ranks, so 1 of "
-                                             r"them would get no sample at any step.*give global_batch >= 4"):
-        g.mix({"a": 1}).distribute("DP")
-    g.mix({"a": 1}).distribute("CP")                    # 8 (dp, cp) buckets: a long sample spans several
+    """Each sample goes to one DP bucket: fewer samples a step than buckets would leave a rank with padding only
+    at every step (it used to, silently)."""
+    from torchdata_overlord.plane.dry_run import check_strategy
+    mesh = ol.ClientPlaceTree(dp=4, cp=2)
+    with pytest.raises(ol.ConfigError, match=r"global_batch 3 is smaller than the 4 data-parallel ranks of "
+                                             r"distribute\('DP'\), so 1 of them would get no sample at any step.*"
+                                             r"give global_batch >= 4"):
+        check_strategy(lambda g: g.mix({"a": 1}).distribute("DP").plan(), mesh, ["a"], 3, 0)
+    check_strategy(lambda g: g.mix({"a": 1}).distribute("DP").plan(), mesh, ["a"], 4, 0)
+    check_strategy(lambda g: g.mix({"a": 1}).distribute("CP").plan(), mesh, ["a"], 3, 0)   # a sample spans CP ranks
 
 
 @pytest.mark.parametrize("runtime", ["local", "rpc"])

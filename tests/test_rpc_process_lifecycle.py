@@ -320,8 +320,8 @@ if __name__ == "__main__":
     with make_loader(corpus, "train", "rpc", n_workers=2) as loader:
         it = iter(loader)
         next(it)
-        print("ready", flush=True)
         try:
+            print("ready", flush=True)             # (the interrupt may come while this prints)
             while True:
                 next(it)
         except KeyboardInterrupt:

@@ -1,6 +1,6 @@
 """A strategy planned once on stand-in metadata before any role starts, so that its argument errors
-(an unknown source or axis, a bad ``max_tokens``, a batch smaller than the data-parallel ranks...)
-are raised where the loader is made, not at the first step in a worker process.
+(an unknown source or axis, a bad ``max_tokens``, a global batch smaller than the data-parallel
+ranks...) are raised where the loader is made, not at the first step in a worker process.
 
 Every source is given ``global_batch`` one-token samples without images: enough for any mixture.
 Only :class:`~torchdata_overlord.errors.ConfigError` counts; a strategy that fails for want of real
@@ -35,6 +35,12 @@ def check_strategy(strategy: Callable, mesh: ClientPlaceTree, sources: Sequence[
             out = out.plan()
         if not isinstance(out, Plan):
             raise ConfigError(f"strategy must return a Plan or a DGraph, got {type(out).__name__}")
+        if out.axis == "dp" and len(out.records) < len(out.buckets):
+            # a step plans this many samples whatever the data (its mix), and each goes to one DP bucket
+            raise ConfigError(f"global_batch {global_batch} is smaller than the {len(out.buckets)} data-parallel ranks "
+                              f"of distribute('DP'), so {len(out.buckets) - len(out.records)} of them would get no "
+                              f"sample at any step (padding only, a loss over no token); give global_batch >= "
+                              f"{len(out.buckets)}")
     except ConfigError as e:
         raise ConfigError(f"the strategy, planned once before the loader starts: {e}") from e
     except Exception:  # noqa: BLE001 - it needs real data: its first step will say what is wrong

@@ -19,12 +19,6 @@ class Distribute:
         tree = g.mesh.module(self.module) if self.module else g.mesh
         axis = str(self.axis).lower()
         buckets = tree.buckets(axis)
-        batch = g.ctx.global_batch
-        if axis == "dp" and self.module is None and batch is not None and batch < len(buckets):
-            # each sample goes to one data-parallel bucket: the rest would get padding only, at every step
-            raise ConfigError(f"distribute('DP'): global_batch {batch} is smaller than the {len(buckets)} data-parallel "
-                              f"ranks, so {len(buckets) - batch} of them would get no sample at any step (padding "
-                              f"only, a loss over no token); give global_batch >= {len(buckets)}")
         groups = None
         if self.group_size is not None:
             if not isinstance(self.group_size, int) or self.group_size < 1:
