@@ -696,3 +696,87 @@ def test_build_matches_pack_and_split_packed(data, seed):
                 stage0 = first_stage.setdefault((c.get("cp", 0), m), mb)
                 for k in set(mb) & set(stage0) - {"sample_keys", "spans", "image_keys", "pixels"}:
                     assert mb[k] is stage0[k], k
+
+
+def two_image_samples(data) -> dict:
+    """Samples holding two of the captioned images each (the first's caption): backbone sequence = the
+    first image's placeholders, the second's, then the caption, so a truncation may cut off the second."""
+    caps = [r for k, r in sorted(data["samples"].items()) if k.source == "caps"]
+    return {ol.SampleKey("duo", i): {"input_ids": a["input_ids"], "pixels": [a["pixels"], b["pixels"]],
+                                     "grid": [a["grid"], b["grid"]], "image_patches": [a["patches"], b["patches"]]}
+            for i, (a, b) in enumerate(zip(caps, caps[3:] + caps[:3]))}
+
+
+@pytest.mark.parametrize("mesh", [dict(dp=2), dict(pp=2, dp=2, cp=2)], ids=["dp2", "pp2dp2cp2"])
+@pytest.mark.parametrize("oversize", ["drop", "truncate"])
+def test_encoder_embeds_exactly_the_images_the_backbone_rows_hold(data, mesh, oversize):
+    """Under balance(max_tokens=, oversize="drop"|"truncate") the encoder embeds the images whose placeholders
+    the backbone rows hold, each once: none of a dropped sample, none whose run the truncation cut off wholly
+    (one kept in part is embedded whole; the rows take its first patches)."""
+    cap = {"drop": 120, "truncate": 40}[oversize]
+    duo = two_image_samples(data)
+    samples = {**data["samples"], **duo}
+    rows = [{"index": k.index, "tokens": sequence_length(r, IMG), "image_patches": r["image_patches"]}
+            for k, r in duo.items()]
+    buffers = data["buffers"] + [ol.BufferMeta.from_samples("duo", rows)]
+    tree = ol.ClientPlaceTree(**mesh)
+
+    def strategy(g):
+        text = g.distribute("DP").cost(ol.attention_flops).balance("greedy", microbatches=2, max_tokens=cap,
+                                                                      oversize=oversize)
+        images = g.view("image").distribute("WORLD").cost(ol.encoder_cost).balance("greedy", microbatches=2)
+        return text.plan(encoder=images)
+
+    plan = ol.Planner(strategy, tree, global_batch=len(samples)).plan(buffers)
+    enc = plan.modules["encoder"]
+    outs = build_all(plan, DataConstructor(cap, image_token_id=IMG), samples)
+    # what the backbone rows hold: image key -> (rank that embeds it, patch offset, placeholders)
+    held = defaultdict(list)
+    for b in outs:
+        for mb in bucket_rows(plan, outs, b):
+            none = torch.zeros(0, 2, dtype=torch.int64)        # a microbatch without images has no image fields
+            for k, r, off, (start, n) in zip(mb.get("image_keys", []),
+                                             mb.get("image_encoder_rank", none[:, 0]).tolist(),
+                                             mb.get("image_patch_offsets", none[:, 0]).tolist(),
+                                             mb.get("image_positions", none).tolist()):
+                assert (mb["input_ids"][start:start + n] == IMG).all()
+                held[k].append((r, off, n))
+    # what the encoder embeds: image key -> the rank of its bucket that receives it first
+    embedded = Counter()
+    where = {}
+    for out in outs.values():
+        for r, o in out.items():
+            eb = enc.bucket_of(r)
+            if r == min(enc.buckets[eb]):
+                embedded.update(o["encoder"]["image_keys"])
+                where.update({k: r for k in o["encoder"]["image_keys"]})
+                assert o["encoder"]["image_microbatch"].numel() == len(o["encoder"]["image_keys"])
+    assert set(embedded) == set(held) and max(embedded.values()) == 1      # every held image embedded once
+    assert all(where[k] == r for k, runs in held.items() for r, _, _ in runs)
+    # the same, written out from the records: image i of a sample is held when its run starts before the cut
+    dropped = {str(k) for k, r in samples.items() if sequence_length(r, IMG) > cap}
+    assert dropped & {str(k) for k, r in samples.items() if "pixels" in r}
+    want, partly = set(), 0
+    for key, rec in samples.items():
+        if "pixels" not in rec or (oversize == "drop" and str(key) in dropped):
+            continue
+        patches = rec.get("image_patches", [rec.get("patches")])
+        start = 0
+        for i, p in enumerate(patches):
+            if start < cap:
+                want.add(str(key) if len(patches) == 1 else f"{key}#{i}")
+                partly += start + p > cap
+            start += p
+    assert set(embedded) == want and len(want) >= 6
+    n_images = sum(len(r.get("image_patches", [1])) for r in samples.values() if "pixels" in r)
+    if oversize == "drop":
+        assert plan.stats["oversize"]["dropped"] == len(dropped)
+        # the encoder plan leaves the dropped samples out, and is balanced over the rest
+        assert {str(k) for k in enc.planned_keys()} == {str(k) for k in plan.planned_keys()
+                                                        if "pixels" in samples[k]}
+        assert enc.stats["samples"] == len(enc.records) == len(enc.planned_keys())
+        assert all(str(k) not in dropped for k in enc.records.keys())
+    else:
+        assert plan.stats["oversize"]["truncated"] == len(dropped)
+        assert partly and len(want) < n_images          # some runs kept in part, some cut off wholly
+        assert all(off == 0 for runs in held.values() for _, off, _ in runs)

@@ -14,7 +14,9 @@ Every delivery has the same keys. With an encoder module in the plan (``plan(enc
 ``batch["encoder"]`` holds the images this rank's encoder bucket embeds (:class:`EncoderPart`; its lists
 empty when the bucket embeds no image this step), whatever its backbone delivery; it is None on a rank
 whose encoder delivery is ``"none"`` (a ``broadcast_at`` receiver of the encoder module), and without an
-encoder module.
+encoder module. The encoder embeds exactly the images the backbone rows hold: none of a sample the
+backbone's ``balance(oversize="drop")`` dropped, none whose placeholder run ``oversize="truncate"`` cut off
+entirely (an image cut in part is embedded whole; the row holds its first patches).
 
 Each microbatch is one packed row (:class:`Microbatch`) in TransformerEngine's THD layout: its
 sequences back to back, ``cu_seqlens`` (real lengths, what attention covers) and

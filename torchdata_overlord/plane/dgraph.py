@@ -159,7 +159,8 @@ class DGraph:
         return BroadcastAt(dim).apply(self)
 
     def plan(self, **modules: "DGraph"):
-        """Finalise into a Plan; other modules' graphs (e.g. ``encoder=image_graph``) ride along."""
+        """Finalise into a Plan; other modules' graphs (e.g. ``encoder=image_graph``) ride along, without
+        the samples this graph's ``balance(oversize="drop")`` dropped (each is balanced again over the rest)."""
         from .primitives.finalize import finalize
         return finalize(self, modules)
 

@@ -250,6 +250,7 @@ class DataConstructor:
         pp_last = plan.mesh.sizes.get("pp", 1) - 1
         out: dict[int, object] = {}
         enc_cache: dict[int, dict] = {}
+        kept = self._truncated(plan) if encoder is not None else None
         for r in plan.buckets[bucket]:
             delivery = plan.delivery(r)
             if delivery == "none":
@@ -260,7 +261,7 @@ class DataConstructor:
                 mbs = [self._client_view(row, splits[m][cp_rank] if cp > 1 else None, delivery == "metadata",
                                          c.get("pp", 0) == pp_last) for m, row in enumerate(rows)]
             out[r] = {"delivery": delivery, "microbatches": mbs,
-                      "encoder": None if encoder is None else self._encoder_part(encoder, r, samples, enc_cache)}
+                      "encoder": None if encoder is None else self._encoder_part(encoder, r, samples, enc_cache, kept)}
         return out
 
     # -- samples -----------------------------------------------------------------------------------
@@ -497,7 +498,24 @@ class DataConstructor:
                               f"(e.g. g.view('image').distribute('WORLD'))")
         return r
 
-    def _encoder_part(self, encoder: Plan, rank: int, samples, cache: dict) -> dict | None:
+    def _truncated(self, plan: Plan) -> dict[SampleKey, int]:
+        """sample key -> the backbone tokens the plan keeps of it, for each sample it truncates
+        (``oversize="truncate"``; its sequence is cut after that many tokens). Empty without image_token_id:
+        images then have no placeholders in the rows, and ride along with the sample's first entry."""
+        if self.image_token_id is None:
+            return {}
+        e = plan.entries
+        whole = (e["piece"] == 0) & (e["shard"] == 0) & (e["npieces"] == 1)
+        cut = whole & (e["tokens"] < plan.records.tokens[e["row"]])
+        if not cut.any():
+            return {}
+        return dict(zip(plan.records.keys(e["row"][cut]), e["tokens"][cut].tolist()))
+
+    def _encoder_part(self, encoder: Plan, rank: int, samples, cache: dict, kept: dict) -> dict | None:
+        """The images ``rank``'s encoder bucket embeds: every image of its samples (where a sample's first
+        entry sits) that the backbone rows hold; an image whose placeholder run the backbone's truncation cut
+        off entirely (``kept``, from :meth:`_truncated`) is not embedded. A run kept in part is: the rows
+        hold its first patches (``image_patch_offsets`` 0, ``image_positions`` the shorter run)."""
         if encoder.delivery(rank) == "none":
             return None
         eb = encoder.bucket_of(rank)
@@ -510,7 +528,12 @@ class DataConstructor:
                     continue  # every image of a sample is embedded once, where its first entry sits
                 rec = self._sample(samples, it.key, encoder.step, eb, f"encoder microbatch {m}")
                 imgs = record_images(rec)
-                for i, (px, grid, _) in enumerate(imgs):
+                n, run = kept.get(it.key), 0        # n: the tokens the backbone keeps of a truncated sample
+                for i, (px, grid, p) in enumerate(imgs):
+                    held = n is None or min(n, run + p) > run     # its placeholder run [run, run + p), cut at n
+                    run += p
+                    if not held:
+                        continue  # the truncation cut its whole placeholder run off: no row holds it
                     pixels.append(px)
                     grids.append(grid)
                     keys.append(image_key(it.key, i, len(imgs)))

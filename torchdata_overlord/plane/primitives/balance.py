@@ -27,6 +27,7 @@ class Assignment:
     method: str
     level: str = "both"
     max_tokens: int | None = None     # the per-bin token cap the entries were placed under
+    op: "Balance | None" = None       # the balance() that placed them (plan() re-places a module with it)
 
 
 class Balance:
@@ -145,7 +146,8 @@ class Balance:
         entries = {"row": row[it], "bucket": pl.bucket, "mb": pl.mb, "tokens": tok[it],
                    "cost": item_cost[it] / pl.nshards, "piece": piece[it], "npieces": npieces[it],
                    "shard": pl.shard, "nshards": pl.nshards, "order": order}
-        asg = Assignment(entries, pl.n_microbatches, self.microbatches, ostats, self.method, level, self.max_tokens)
+        asg = Assignment(entries, pl.n_microbatches, self.microbatches, ostats, self.method, level, self.max_tokens,
+                         self)
         bins = np.bincount(pl.mb * len(lay.buckets) + pl.bucket, weights=entries["cost"],
                            minlength=pl.n_microbatches * len(lay.buckets))
         note = (f"balance({self.method!r}, microbatches={self.microbatches}"

@@ -26,11 +26,48 @@ def _plan_from(g, asg: Assignment) -> Plan:
 
 
 def _attach(plan: Plan, modules: dict) -> Plan:
+    """Finalise the other modules' graphs into ``plan.modules``. A sample the backbone plan dropped
+    (``balance(oversize="drop")``) is gone from the step: it is taken out of every module's graph too,
+    which is then balanced again over the samples that remain (e.g. the encoder never embeds the
+    images of a sample no backbone row holds)."""
+    dropped = _dropped(plan)
     for name, other in modules.items():
         if not hasattr(other, "layout"):
             raise ConfigError(f"plan({name}=...) needs a DGraph, got {type(other).__name__}")
+        if dropped:
+            other = _without(other, dropped)
         plan.modules[name] = finalize(other, {})
     return plan
+
+
+def _dropped(plan: Plan) -> dict[str, np.ndarray]:
+    """source -> indices of the plan's records that none of its entries places (oversize="drop")."""
+    recs = plan.records
+    unplaced = np.ones(len(recs), bool)
+    unplaced[plan.entries["row"]] = False
+    if not unplaced.any():
+        return {}
+    sid, idx = recs.source_id[unplaced], recs.index[unplaced]
+    return {recs.sources[s]: idx[sid == s] for s in np.unique(sid).tolist()}
+
+
+def _without(g, dropped: dict[str, np.ndarray]):
+    """``g`` without the samples in ``dropped`` (source -> indices), placed again by the same
+    ``balance()`` when it had been balanced; ``g`` itself when it holds none of them."""
+    recs = g.records
+    gone = np.zeros(len(recs), bool)
+    for s, name in enumerate(recs.sources):
+        if name in dropped:
+            gone |= (recs.source_id == s) & np.isin(recs.index, dropped[name])
+    if not gone.any():
+        return g
+    keep = ~gone
+    asg = g.placement
+    out = g.evolve(f"without the {int(gone.sum())} samples the backbone dropped: {int(keep.sum())} of {len(g)}",
+                   records=recs.take(keep), costs=None if g.costs is None else g.costs[keep], placement=None)
+    if asg is not None and asg.op is not None:
+        out = asg.op.apply(out)
+    return out
 
 
 def finalize(g, modules: dict) -> Plan:
