@@ -232,3 +232,89 @@ def test_skip_log_writes_at_most_a_line_per_interval_and_loses_no_count(caplog, 
     assert 1 + sum(int(m) for line in lines for m in re.findall(r"skipped (\d+) more", line)) == log.total
     log.flush()
     assert len(caplog.records) == len(lines)               # nothing left to say
+
+
+# ---- a text holding the image placeholder literally: a bad row like any other under on_error="skip" ---------
+
+@pytest.fixture(scope="module")
+def spm_image(tmp_path_factory):
+    """A sentencepiece model with ``<image>`` as a piece of its own (as a VLM's tokenizer has it)."""
+    import sentencepiece as spm
+
+    prefix = str(tmp_path_factory.mktemp("spm_image") / "tok")
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXTS), model_prefix=prefix, vocab_size=200,
+                                   model_type="bpe", pad_id=0, bos_id=1, eos_id=2, unk_id=3, character_coverage=1.0,
+                                   hard_vocab_limit=False, num_threads=1, minloglevel=2,
+                                   user_defined_symbols=["<image>"])
+    model = prefix + ".model"
+    return model, spm.SentencePieceProcessor(model_file=model).piece_to_id("<image>")
+
+
+def test_a_text_holding_the_image_placeholder_is_skipped_and_counted_as_a_failing_row(spm_image, tmp_path, caplog):
+    """Rows 3 and 8 say '<image>' in their text, row 5 is null (the transform fails on it). With image_token_id
+    set, the placeholder rows used to raise under on_error='skip' too (the whole stream failed); now they are
+    skipped like row 5: the same counters, the same log, every other row delivered once."""
+    model, img = spm_image
+    n, stray, null = 12, {3, 8}, {5}
+    gids = list(range(n))
+    text = [None if g in null else (f"look <image> here {g}" if g in stray else TEXTS[g]) for g in gids]
+    path = tmp_path / "web.parquet"
+    pq.write_table(pa.table({"gid": pa.array(gids, pa.int64()), "text": pa.array(text, pa.string())}), path,
+                   row_group_size=4)
+    assert img in Tokenize(model)({"text": text[3]})["input_ids"].tolist()    # the row really holds the id
+
+    def drain(on_error, buffer_size=4):
+        src = ParquetSource("web", str(path), Tokenize(model), on_error=on_error, epochs=1, shuffle=False)
+        loader = SourceLoader(src, buffer_size=buffer_size, image_token_id=img)
+        got = []
+        try:
+            while len(meta := loader.metadata()):
+                got += loader.take(meta.index.tolist())
+        finally:
+            loader.close()
+        return got, loader.stats(), src
+
+    with caplog.at_level(logging.WARNING, logger="torchdata_overlord"):
+        got, stats, src = drain("skip")
+    assert sorted(got) == [g for g in gids if g not in stray | null]
+    assert stats["skipped"] == 3 and stats["skipped_distinct"] == 3 and stats["skipped_files"] == {}
+    assert sorted(s["row"] for s in src.skipped) == [3, 5, 8]
+    assert all(s["file"] == str(path) and s["count"] == 1 for s in src.skipped)
+    by_row = {s["row"]: s["error"] for s in src.skipped}
+    assert f"image placeholder id {img}" in by_row[3] and "'<image>'" in by_row[3] and "null" in by_row[5]
+    # the log: the first skip (row 3) in full, as a failing row's is; the rest summed up at close
+    lines = skip_lines(caplog)
+    assert lines[0].startswith(f"source 'web': skipped {path} row 3: ValueError: ") and "placeholder" in lines[0]
+    assert "(on_error='skip'" in lines[0]
+    assert len(lines) == 2 and "2 more" in lines[1] and "3 in all" in lines[1] and "row 8" in lines[1]
+
+    # through the loader (the user's report): no error, the rows skipped and counted in stats()
+    src = ParquetSource("web", str(path), Tokenize(model), on_error="skip", epochs=1, shuffle=False)
+    with ol.OverlordLoader([src], one_source_strategy, ol.ClientPlaceTree(dp=1), rank=0, global_batch=3,
+                           seq_len=None, prefetch=0, image_token_id=img) as loader:
+        keys = [k for b in loader for mb in b["microbatches"] for k in mb["sample_keys"]]
+        web = loader.stats()["sources"]["web"]
+    assert sorted(int(k.split(":")[1]) for k in keys) == [g for g in gids if g not in stray | null]
+    assert web["skipped"] == 3 and web["skipped_distinct"] == 3
+
+    # under "raise" it raises naming the row, and says what skips it
+    with pytest.raises(SourceReadError, match=rf"sample 3 \(.*web\.parquet row 3\) has the image placeholder id "
+                                              rf"{img} in its text") as err:
+        drain("raise")
+    assert "on_error='skip'" in str(err.value)
+
+    # a NodeSource skips it the same way
+    from torchdata.nodes import IterableWrapper
+    node = ol.NodeSource("items", IterableWrapper([{"text": t or "x"} for t in text]), Tokenize(model), on_error="skip")
+    loader = SourceLoader(node, buffer_size=4, image_token_id=img)
+    got = []
+    while len(meta := loader.metadata()):
+        got += loader.take(meta.index.tolist())
+    assert sorted(got) == [g for g in gids if g not in stray]
+    assert sorted(s["row"] for s in node.skipped) == [3, 8] and loader.stats()["skipped"] == 2
+
+    # every row holding it: no row usable, which raises rather than cycling
+    pq.write_table(pa.table({"text": ["<image> only"] * 5}), tmp_path / "all.parquet")
+    src = ParquetSource("all", str(tmp_path / "all.parquet"), Tokenize(model), on_error="skip")
+    with pytest.raises(SourceReadError, match=r"no row of this source is usable \(latest: .*placeholder"):
+        SourceLoader(src, buffer_size=2, image_token_id=img).metadata()

@@ -89,11 +89,19 @@ def _same_state(a: Any, b: Any) -> bool:
 class _StrayPlaceholder(Exception):
     """A record's text ids hold the image placeholder: its text has the placeholder piece (e.g. ``<image>``)
     literally, so its row would carry a placeholder with no image behind it, which shifts or breaks a model
-    that fills placeholders with image features in order (:meth:`named` says which sample, for the user)."""
+    that fills placeholders with image features in order (:meth:`named` says which sample, for the user).
+    Under the source's ``on_error="skip"`` the row is skipped as a row its transform failed on
+    (:meth:`reason` is what the skip records)."""
 
     def __init__(self, ids: np.ndarray, image_token_id: int):
         hit = (ids == image_token_id).nonzero()[0]
         super().__init__(int(hit[0]), len(hit), image_token_id)
+
+    def reason(self) -> ValueError:
+        """The error a skip of its row records (and logs) beside the file and row."""
+        at_token, count, tid = self.args
+        return ValueError(f"its text has the image placeholder id {tid} at token {at_token} ({count} in all) but no "
+                          f"image there: the text holds the placeholder piece literally (e.g. '<image>')")
 
     def named(self, source: str, index: int, where) -> SourceReadError:
         at_token, count, tid = self.args
@@ -101,8 +109,8 @@ class _StrayPlaceholder(Exception):
         return SourceReadError(
             f"source {source!r}: sample {index} ({at}) has the image placeholder id {tid} in its text at token "
             f"{at_token} ({count} in all) but no image there: its text holds the placeholder piece literally (e.g. "
-            f"'<image>'); remove or escape it in the text (in the transform) or use a placeholder that cannot occur "
-            f"in text")
+            f"'<image>'); remove or escape it in the text (in the transform), use a placeholder that cannot occur in "
+            f"text, or pass on_error='skip' to the source to skip such rows")
 
 
 class SourceLoader(BaseNode[tuple]):
@@ -222,18 +230,32 @@ class SourceLoader(BaseNode[tuple]):
         kept = [(index, records.get(index, _PLACE), before, seq, order) for index, _, _, before, seq, order in raws
                 if records.get(index) is not SKIPPED]
         rows: list[tuple] = []
+        held: list[tuple] = []          # the entries of ``rows``
         try:
             for e in kept:
-                rows.append((0, 0, 0, 0.0) if e[1] is _PLACE else self._meta_row(e[1]))
-        except _StrayPlaceholder as stray:
-            where = next((r[2] for r in raws if r[0] == kept[len(rows)][0]), None)
-            raise stray.named(self.name, kept[len(rows)][0], where) from None
+                try:
+                    rows.append((0, 0, 0, 0.0) if e[1] is _PLACE else self._meta_row(e[1]))
+                except _StrayPlaceholder as stray:
+                    where = next((r[2] for r in raws if r[0] == e[0]), None)
+                    if not self._skips(stray, where):
+                        raise stray.named(self.name, e[0], where) from None
+                    continue                # skipped as a row the transform failed on: read on
+                held.append(e)
         finally:        # (the rows before one whose metadata raised are buffered, as when each was at once)
-            slots = self._meta.put(rows, [e[4] for e in kept[:len(rows)]])
-            for (index, rec, before, seq, order), slot in zip(kept, slots):
+            slots = self._meta.put(rows, [e[4] for e in held])
+            for (index, rec, before, seq, order), slot in zip(held, slots):
                 self._buffer[index] = (rec, before, seq, slot, order)
         if not self._buffer:            # nothing buffered: the state moves past what was read
             self._base, self._taken = self._here(), {}
+
+    def _skips(self, stray: _StrayPlaceholder, where) -> bool:
+        """Whether the source skips the row at ``where`` whose text holds the image placeholder (its
+        ``on_error="skip"``): then it is counted and logged as a row the transform failed on."""
+        source = self.source
+        if getattr(source, "on_error", "raise") != "skip" or not hasattr(source, "skip_sample"):
+            return False
+        source.skip_sample(where, stray.reason())
+        return True
 
     def _meta_row(self, record) -> tuple[int, int, int, float]:
         """(tokens with image placeholders, images, patches, sum of squared patches), computed once."""

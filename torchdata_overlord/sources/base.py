@@ -54,6 +54,10 @@ class Source(Protocol):
       buffered row; with these it keeps positions and makes a state only for a checkpoint;
     * ``spec_args() -> (data, transform, kwargs)``: how to build it again elsewhere
       (``type(source)(name, data, transform, **kwargs)``), all picklable;
+    * optionally ``on_error`` (``"raise"`` or ``"skip"``) and ``skip_sample(where, error)``: count and log the row
+      at ``where`` as skipped, as ``apply`` does for a failing transform under ``"skip"``; a Source Loader
+      skips this way a row whose sample it cannot use (text holding the image placeholder), and raises
+      for it where the source has neither;
     * ``skips`` (a :class:`~torchdata_overlord.sources.skip_log.SkipLog`), ``buffer_bytes`` (bytes
       the source itself holds) and ``close()``.
     """

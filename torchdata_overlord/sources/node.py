@@ -98,8 +98,13 @@ class NodeSource:
             if self.on_error == "raise":
                 raise SourceReadError(f"source {self.name!r}: transform failed on item {where}: "
                                       f"{type(e).__name__}: {e}. Fix the transform or pass on_error='skip'.") from e
-            self.skips.add(f"<{self.name} node>", where, f"{type(e).__name__}: {e}", self.epoch)
+            self.skip_sample(where, e)
             return SKIPPED
+
+    def skip_sample(self, where: int, error: BaseException) -> None:
+        """Count and log item ``where`` as skipped for ``error`` (on_error="skip"), as :meth:`apply` does when
+        the transform fails on it (a Source Loader skips this way an item whose sample it cannot use)."""
+        self.skips.add(f"<{self.name} node>", where, f"{type(error).__name__}: {error}", self.epoch)
 
     def check_progress(self, since: int) -> None:
         n = self.rows_passed - since

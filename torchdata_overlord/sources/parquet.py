@@ -740,13 +740,20 @@ class ParquetSource:
         try:
             return self.transform(row)
         except Exception as e:  # noqa: BLE001 (any user error: wrap with file and row)
-            f, r, key, epoch = where
+            f, r, key, _ = where
             if self.on_error == "raise":
                 raise SourceReadError(f"source {self.name!r}: transform failed on {f} row {r} (key {key}): "
                                       f"{type(e).__name__}: {e}. Fix the transform or pass "
                                       f"on_error='skip'.") from e
-            self._skip(f, r, e, epoch)
+            self.skip_sample(where, e)
             return SKIPPED
+
+    def skip_sample(self, where: tuple[str, int, int, int], error: BaseException) -> None:
+        """Count and log the row at ``where`` as skipped for ``error`` (on_error="skip"), as :meth:`apply` does
+        when the transform fails on it. A Source Loader skips this way a row whose sample it cannot use (its
+        text holds the image placeholder)."""
+        f, r, _, epoch = where
+        self._skip(f, r, error, epoch)
 
     def _load(self, u: int) -> bool:
         """Decode unit ``u``'s row group (the only one held). False if it was skipped as unreadable."""
