@@ -172,7 +172,8 @@ def test_file_without_the_transforms_column_is_skipped_under_on_error_skip(spm_m
     gids = pq.read_table(d / "a.parquet")["gid"].to_pylist() + pq.read_table(d / "c.parquet")["gid"].to_pylist()
     assert [k for k, _ in src] == list(range(len(gids)))            # the two files' rows, keys dense
     # every file without it: the error says why there is nothing to read
-    with pytest.raises(ol.ConfigError, match=r"has no rows .*2 skipped; first skipped: .*has no column"):
+    with pytest.raises(ol.ConfigError, match=r"has no rows: all its 2 file\(s\) were skipped \(on_error='skip'\): "
+                                             r".*a\.parquet: .*has no column.*c\.parquet: .*has no column"):
         ParquetSource("code", str(d / "[ac].parquet"), Tokenize(spm_model, field="content"), on_error="skip")
 
 
@@ -318,3 +319,81 @@ def test_a_text_holding_the_image_placeholder_is_skipped_and_counted_as_a_failin
     src = ParquetSource("all", str(tmp_path / "all.parquet"), Tokenize(model), on_error="skip")
     with pytest.raises(SourceReadError, match=r"no row of this source is usable \(latest: .*placeholder"):
         SourceLoader(src, buffer_size=2, image_token_id=img).metadata()
+
+
+# ---- messages that fit the policy: no advice to pass on_error='skip' once it is passed -----------------------
+
+def test_skip_messages_fit_the_policy_and_an_all_skipped_source_says_why(spm_model, tmp_path, caplog):
+    """A file skipped under on_error='skip' (no such column, corrupt Parquet, CSV with invalid UTF-8, JSON Lines
+    with a broken line) used to be logged with '... or pass on_error='skip''; and a source whose every file was
+    skipped said 'point it at non-empty ... files' of files that are not empty. Under 'raise' the advice stays."""
+    d = tmp_path / "pq"
+    d.mkdir()
+    write_texts(d / "a.parquet", range(0, 6))
+    write_texts(d / "b.parquet", range(6, 10), field="body")                  # no 'text' column
+    (d / "c.parquet").write_bytes(b"PAR1" + bytes(range(256)) * 2 + b"PAR1")  # not Parquet inside
+    t = tmp_path / "text"
+    t.mkdir()
+    good = TEXTS[:4]
+    (t / "a.csv").write_bytes(b"text\n" + b"\n".join(f'"{x}"'.encode() for x in good[:2]) + b'\n"caf\xe9 latin1"\n'
+                              + b"\n".join(f'"{x}"'.encode() for x in good[2:]) + b"\n")    # one row not UTF-8
+    (t / "b.jsonl").write_text('{"text": "fine"}\n{"text": "unterminated\n{"text": "fine too"}\n')
+    (t / "c.jsonl").write_text("".join(f'{{"text": "{x}"}}\n' for x in good))
+
+    # under "raise": each bad file raises, naming it and saying what to do, on_error='skip' included
+    for paths, bad, what in ((d / "[ab].parquet", "b.parquet", "has no column"),
+                             (d / "[ac].parquet", "c.parquet", "not a readable Parquet file"),
+                             (t / "a.csv", "a.csv", "not a readable CSV file"),
+                             (t / "b.jsonl", "b.jsonl", "not a readable JSON Lines file")):
+        cls = ParquetSource if str(paths).endswith(".parquet") else ol.FileSource
+        with pytest.raises(ol.ConfigError, match=rf"{re.escape(bad)}:? {what}.*on_error='skip' to skip such files"):
+            cls("s", str(paths), Tokenize(spm_model), metadata_cache=False)
+
+    # under "skip": skipped, and neither what is recorded nor the log advises passing on_error='skip'
+    with caplog.at_level(logging.WARNING, logger="torchdata_overlord"):
+        src = ParquetSource("s", str(d / "*.parquet"), Tokenize(spm_model), on_error="skip", metadata_cache=False)
+        text = ol.FileSource("t", str(t / "*"), Tokenize(spm_model), on_error="skip", metadata_cache=False)
+        src.close()
+        text.close()
+    assert sorted(s["file"].rsplit("/", 1)[1] for s in src.skipped) == ["b.parquet", "c.parquet"]
+    assert sorted(s["file"].rsplit("/", 1)[1] for s in text.skipped) == ["a.csv", "b.jsonl"]
+    errors = {s["file"].rsplit("/", 1)[1]: s["error"] for s in src.skipped + text.skipped}
+    assert "has no column(s) ['text']" in errors["b.parquet"] and "Tokenize(field=...)" in errors["b.parquet"]
+    assert "not a readable Parquet file" in errors["c.parquet"]
+    assert "not a readable CSV file" in errors["a.csv"] and "UTF8" in errors["a.csv"]
+    assert "not a readable JSON Lines file" in errors["b.jsonl"]
+    lines = skip_lines(caplog)
+    assert len(lines) == 4 and all(f in " ".join(lines) for f in errors)
+    for said in [*errors.values(), *lines]:
+        assert "pass on_error" not in said and "or on_error" not in said, said
+    # (the columns= advice, too)
+    with caplog.at_level(logging.WARNING, logger="torchdata_overlord"):
+        src = ParquetSource("s", str(d / "[ab].parquet"), columns=["text"], on_error="skip", metadata_cache=False)
+    assert src.skipped[0]["error"].endswith("Fix `columns=`.")
+
+    # every file skipped: says so, and why (the first reasons), and what to do; not "non-empty" files
+    with pytest.raises(ol.ConfigError) as err:
+        ol.FileSource("t", str(t / "[ab].*"), Tokenize(spm_model), on_error="skip", metadata_cache=False)
+    msg = str(err.value)
+    assert msg.startswith("source 't' has no rows: all its 2 file(s) were skipped (on_error='skip'): ")
+    assert "a.csv: ConfigError: " in msg and "invalid UTF8" in msg and "b.jsonl: ConfigError: " in msg
+    assert msg.endswith("Fix these files or remove them from the source's paths")
+    assert "non-empty" not in msg and "pass on_error" not in msg
+    # more than three: the first three reasons and how many more
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(5):
+        write_texts(many / f"{i}.parquet", range(3), field="body")
+    with pytest.raises(ol.ConfigError, match=r"all its 5 file\(s\) were skipped .*0\.parquet.*1\.parquet.*2\."
+                                             r"parquet.* at one of the available columns; and 2 more\. Fix these "
+                                             r"files") as err:
+        ParquetSource("s", str(many / "*.parquet"), Tokenize(spm_model), on_error="skip", metadata_cache=False)
+    assert "3.parquet" not in str(err.value) and "4.parquet" not in str(err.value)
+    # usable files that are empty beside skipped ones: both said
+    (t / "empty.csv").write_text("")
+    with pytest.raises(ol.ConfigError, match=r"has no rows: its 1 usable file\(s\) \(.*empty\.csv\) are empty, and the "
+                                             r"other 1 were skipped \(on_error='skip'\): .*a\.csv: .*UTF8 data\)\. "
+                                             r"Fix the skipped files, or point the source at non-empty JSON "
+                                             r"Lines/CSV/Arrow IPC files$"):
+        ol.FileSource("t", [str(t / "a.csv"), str(t / "empty.csv")], Tokenize(spm_model), on_error="skip",
+                      metadata_cache=False)

@@ -171,7 +171,8 @@ class FileSource(ParquetSource):
             return pacsv.read_csv(stream, read_options=pacsv.ReadOptions(use_threads=False), convert_options=convert)
 
     def _open_file(self, fs: pafs.FileSystem, path: str, shown: str) -> tuple[tuple, list[str]]:
-        """Parse the whole file once: its row count and columns (ConfigError naming it if unreadable). An
+        """Parse the whole file once: its row count and columns (ConfigError naming it if unreadable, saying what
+        is wrong: the source adds what to do, see ParquetSource._open_file). An
         empty (or blank) JSON Lines/CSV file has no row and no column, as an empty Parquet file has no row:
         pyarrow refuses it, but it is not damaged."""
         try:
@@ -180,7 +181,7 @@ class FileSource(ParquetSource):
             if file_format(shown, self.format) != "arrow" and isinstance(e, pa.ArrowInvalid) and _blank(fs, path):
                 return (0,), []
             raise ConfigError(f"{shown}: not a readable {_NAMES[file_format(shown, self.format)]} file "
-                              f"({type(e).__name__}: {e}); fix or remove it, or pass on_error='skip'") from e
+                              f"({type(e).__name__}: {e})") from e
         return (table.num_rows,), list(table.column_names)
 
     def _journal_kind(self) -> str:

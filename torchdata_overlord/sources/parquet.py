@@ -224,15 +224,14 @@ class _Files(Sequence):
 
 def _open_meta(fs: pafs.FileSystem, path: str, shown: str) -> tuple[tuple, list[str]]:
     """Row-group sizes and column names from one file's footer; ConfigError naming the file if it is
-    not readable Parquet."""
+    not readable Parquet (what is wrong only: the source adds what to do, which depends on its policy)."""
     try:
         with fs.open_input_file(path) as f:
             pf = pq.ParquetFile(f)
             meta = pf.metadata
             return tuple(meta.row_group(rg).num_rows for rg in range(meta.num_row_groups)), list(pf.schema_arrow.names)
     except (pa.ArrowException, OSError) as e:
-        raise ConfigError(f"{shown}: not a readable Parquet file ({type(e).__name__}: {e}); "
-                          f"remove it from the source or pass on_error='skip'") from e
+        raise ConfigError(f"{shown}: not a readable Parquet file ({type(e).__name__}: {e})") from e
 
 
 def _columns(columns, transform) -> list[str] | None:
@@ -348,7 +347,8 @@ class ParquetSource:
 
     def _open_file(self, fs: pafs.FileSystem, path: str, shown: str) -> tuple[tuple, list[str]]:
         """One file's row-group sizes and column names (its Parquet footer); ConfigError naming it if
-        unreadable. May run on several threads at once (see :meth:`_read_metas`)."""
+        unreadable, saying what is wrong (not what to do: :meth:`_open_all` adds that under on_error="raise").
+        May run on several threads at once (see :meth:`_read_metas`)."""
         return _open_meta(fs, path, shown)
 
     def _journal_kind(self) -> str:
@@ -372,6 +372,26 @@ class ParquetSource:
             # the freed pages (a process hosting many sources kept ~3 MiB per 8 MiB row group)
             pa.default_memory_pool().release_unused()
         return table
+
+    def _no_rows(self, nfiles: int) -> ConfigError:
+        """The error of a source with no row: its usable files (``nfiles``) are empty, and the others were
+        skipped (on_error="skip"): which, why (the first few reasons) and what to do."""
+        t, skipped = self._meta, self.skips.entries
+        empty = t.shown[0] + (f" and {nfiles - 1} more" if nfiles > 1 else "") if nfiles else ""
+        if not skipped:
+            return ConfigError(f"source {self.name!r} has no rows ({nfiles} usable file(s)"
+                               f"{': ' + empty if empty else ''}, 0 skipped); point it at non-empty "
+                               f"{self.FORMAT} files")
+        shown = 3
+        reasons = "; ".join(f"{e['file']}: {e['error'].rstrip('.')}" for e in skipped[:shown])
+        more = f"; and {len(skipped) - shown} more" if len(skipped) > shown else ""
+        if not nfiles:
+            return ConfigError(f"source {self.name!r} has no rows: all its {len(skipped)} file(s) were skipped "
+                               f"(on_error='skip'): {reasons}{more}. Fix these files or remove them from the "
+                               f"source's paths")
+        return ConfigError(f"source {self.name!r} has no rows: its {nfiles} usable file(s) ({empty}) are empty, "
+                           f"and the other {len(skipped)} were skipped (on_error='skip'): {reasons}{more}. Fix the "
+                           f"skipped files, or point the source at non-empty {self.FORMAT} files")
 
     def spec_args(self) -> tuple[Any, Any, dict]:
         """``(paths, transform, kwargs)`` to build this source again in another process: the paths and
@@ -457,7 +477,8 @@ class ParquetSource:
         for i in bad:
             if i in errors:
                 if self.on_error == "raise":
-                    raise ConfigError(f"source {self.name!r}: {errors[i]}") from errors[i].__cause__
+                    raise ConfigError(f"source {self.name!r}: {errors[i]}; fix or remove it, or pass "
+                                      f"on_error='skip' to skip such files") from errors[i].__cause__
                 self._skip(shown[i], None, errors[i], 0)
                 continue
             missing = missing_of[id(names[i])]
@@ -499,11 +520,13 @@ class ParquetSource:
 
     def _columns_fix(self, missing: list[str]) -> str:
         """What to change when a file lacks a projected column: ``columns=`` if it was given, else the
-        transform's field argument (``columns`` came from the transform)."""
+        transform's field argument (``columns`` came from the transform); under on_error="raise", or
+        on_error='skip' to skip such files (under "skip" it is skipped already)."""
+        skip = ", or pass on_error='skip' to skip such files." if self.on_error == "raise" else "."
         if self._columns_given:
-            return "Fix `columns=`, or pass on_error='skip' to skip such files."
+            return f"Fix `columns=`{skip}"
         return (f"The transform {self.transform!r} reads {missing}: point its field argument (e.g. "
-                f"Tokenize(field=...)) at one of the available columns, or pass on_error='skip' to skip such files.")
+                f"Tokenize(field=...)) at one of the available columns{skip}")
 
     def _build_units(self) -> None:
         """Flatten (file, row group) into unit arrays; file offsets make the dense sample keys."""
@@ -522,11 +545,7 @@ class ParquetSource:
         self._ufirst = (np.cumsum(rows) - rows - file_offset[file_of])[keep]     # row in the file
         offset = int(file_rows.sum())
         if offset == 0:
-            skipped = self.skips.entries
-            first = f"; first skipped: {skipped[0]['file']}: {skipped[0]['error']}" if skipped else ""
-            empty = f": {t.shown[0]}" + (f" and {nfiles - 1} more" if nfiles > 1 else "") if nfiles else ""
-            raise ConfigError(f"source {self.name!r} has no rows ({nfiles} usable file(s){empty}, "
-                              f"{len(skipped)} skipped{first}); point it at non-empty {self.FORMAT} files")
+            raise self._no_rows(nfiles)
         self.num_rows = offset  # rows per epoch
         self._fingerprint = {"name": self.name, "seed": self.seed, "shuffle": self.shuffle, "columns": self.columns}
         self._file_rows = file_rows
