@@ -110,7 +110,7 @@ CASES = {
                                 r"mixes the states of trainer ranks that differ: ranks saved after different numbers of steps.*"
                                 r"ol.elastic.earliest"),
     "truncated job, sealed": (lambda s: s.update(job=s["job"][:100], checksum=sha256(s["job"][:100])), "is not JSON"),
-    "job is 42": (setitem("job", 42), r"'job' is a int, not a str"),
+    "job is 42": (setitem("job", 42), r"'job' is an int, not a str"),
     "no checksum": (lambda s: s.pop("checksum"), r"lacks \['checksum'\]"),
     "format version 1": (version_1, r"format version 1, written by an older torchdata_overlord"),
     "a source missing": (edit_job(lambda job: job["loaders"].pop("web")), r"job\.loaders has sources"),

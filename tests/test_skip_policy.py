@@ -397,3 +397,19 @@ def test_skip_messages_fit_the_policy_and_an_all_skipped_source_says_why(spm_mod
                                              r"Lines/CSV/Arrow IPC files$"):
         ol.FileSource("t", [str(t / "a.csv"), str(t / "empty.csv")], Tokenize(spm_model), on_error="skip",
                       metadata_cache=False)
+
+
+def test_a_row_whose_text_is_not_a_string_says_what_it_is_with_the_right_article(spm_model, tmp_path):
+    """The reason a skip records (and the error under 'raise') named the value's type after 'a': 'got a int'."""
+    path = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"text": pa.array([1, 2, 3], pa.int64())}), path)
+    with pytest.raises(SourceReadError, match=r"field 'text' must be a string, got an int\. Fix the transform"):
+        next(ParquetSource("ints", str(path), Tokenize(spm_model), shuffle=False))
+    pq.write_table(pa.table({"text": pa.array([TEXTS[0], None, TEXTS[2]]), "n": [1, 2, 3]}), path)
+    src = ParquetSource("ints", str(path), Tokenize(spm_model, field="n"), on_error="skip", shuffle=False)
+    with pytest.raises(SourceReadError, match="no row of this source is usable"):
+        next(src)
+    assert [s["error"] for s in src.skipped] == ["TypeError: Tokenize: field 'n' must be a string, got an int"] * 3
+    pq.write_table(pa.table({"text": pa.array([[1.5], [2.5]])}), path)
+    with pytest.raises(SourceReadError, match=r"must be a string, got a list\. "):
+        next(ParquetSource("lists", str(path), Tokenize(spm_model), shuffle=False))

@@ -16,7 +16,7 @@ import re
 from typing import Mapping
 
 from .elastic import ELASTIC, batch_bound, source_changes
-from .errors import ConfigError
+from .errors import ConfigError, a_type
 from .runtime.step import JobState
 
 __all__ = ["FORMAT", "pack", "unpack", "transform_spec"]
@@ -60,7 +60,7 @@ def _count(value, where: str, at_least: int = 0) -> int:
 
 def _of(value, kind: type, where: str):
     if not isinstance(value, kind):
-        raise _bad(where, f"is a {type(value).__name__}, not a {kind.__name__}")
+        raise _bad(where, f"is {a_type(value)}, not {a_type(kind.__name__)}")
     return value
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Mapping, NamedTuple
 
-from ..errors import ConfigError
+from ..errors import ConfigError, a_type
 from ..plane.records import BufferMeta
 from ..roles.loader_parts import part_key
 from ..roles.source_loader import SourceLoader, record_bytes
@@ -53,7 +53,7 @@ class LoaderActor(RoleActor):
         source = spec.build(fresh=part[1] > 1)
         if part[1] > 1:
             if not hasattr(source, "shard"):
-                raise ConfigError(f"source {spec.name!r}: a {type(source).__name__} cannot be split into data-parallel "
+                raise ConfigError(f"source {spec.name!r}: {a_type(source)} cannot be split into data-parallel "
                                   f"loaders (only sources read by row groups or files can); give it one loader actor")
             source.shard(*part)
         # read_ahead (the rpc runtime): between steps, the rows of the next refill are read and transformed

@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ..errors import ConfigError
+from ..errors import ConfigError, a_type
 from .base import SKIPPED, SourceReadError
 from .metadata_cache import FileTable, cache_dir, journal_path, load_journal, pointer_path, save_journal
 from .skip_log import SkipLog
@@ -648,7 +648,7 @@ class ParquetSource:
         seed, shuffle, columns, files) without moving: what a resume checks before any role loads it."""
         fp = state.get("fingerprint") if isinstance(state, dict) else None
         if fp is None:
-            raise ConfigError(f"source {self.name!r}: not a {type(self).__name__} state (no fingerprint): "
+            raise ConfigError(f"source {self.name!r}: not {a_type(self)} state (no fingerprint): "
                               f"{state!r:.200}")
         self._check_fingerprint(fp)
 

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, a_type
 
 
 class MissingFieldError(ConfigError, KeyError):
@@ -36,7 +36,7 @@ def row_text(row: Mapping[str, Any], field: str, who: str) -> str:
     """The string in ``row[field]``; a null or non-string value is a ``TypeError`` naming the field."""
     text = row_field(row, field, who)
     if not isinstance(text, str):
-        what = "null (None)" if text is None else f"a {type(text).__name__}"
+        what = "null (None)" if text is None else a_type(text)
         raise TypeError(f"{who}: field {field!r} must be a string, got {what}")
     return text
 
