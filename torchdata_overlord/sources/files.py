@@ -101,7 +101,10 @@ class FileSource(ParquetSource):
     """One source's JSON Lines (``.jsonl``, ``.json``, ``.ndjson``), CSV (``.csv``) or Arrow IPC
     (``.arrow``, ``.feather``, ``.ipc``) files, each possibly ``.gz``; ``format=`` overrides the
     suffix for every file. Every other argument and behaviour is :class:`~torchdata_overlord.ParquetSource`'s
-    (a file plays the part of one row group), including the state and its file fingerprint.
+    (a file plays the part of one row group), including the state and its file fingerprint. So under
+    ``on_error="skip"`` one row that does not parse (a broken JSON line, a CSV cell that is not UTF-8, a
+    CSV row with too many cells) skips its whole file, where a Parquet file loses the row group at most;
+    a row that parses but the transform fails on is skipped alone.
 
     CSV cells arrive as the exact text in the file (a CSV file must be UTF-8): every column a ``str``,
     no type inference, no null (an empty cell is ``""``; ``"00123"``, ``"1e3"``, ``"true"``, ``"NA"``,
