@@ -198,6 +198,16 @@ def test_a_bad_strategy_is_refused_where_the_loader_is_made(corpus, runtime, str
                           seq_len=None, runtime=runtime, **args)
 
 
+def test_a_source_the_mixture_never_names_is_warned_about(corpus):
+    """A loader source missing from the schedule was silently never sampled (its loader reading for nothing)."""
+    from test_loader import make_sources
+    strat = lambda g: g.mix(ol.Linear({"web": 1}, {"web": 1, "code": 0}, steps=4)).distribute("DP").plan()  # noqa: E731
+    with pytest.warns(UserWarning, match=r"sources \['long'\] are not in the strategy's mixture \(Linear of "
+                                         r"\['code', 'web'\]\): they are never sampled"):
+        ol.OverlordLoader(make_sources(corpus, names=("web", "code", "long")), strat, ol.ClientPlaceTree(dp=2),
+                          rank=None, global_batch=4, seq_len=None).close()
+
+
 def test_a_strategy_that_needs_real_metadata_is_left_to_its_first_step(corpus):
     """The stand-ins lack what a custom cost may read: only a ConfigError of the strategy counts."""
     from test_loader import make_sources

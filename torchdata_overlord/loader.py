@@ -197,12 +197,12 @@ class OverlordLoader:
         elif placement != "auto":
             extra = dict(placement=placement, autoscale=autoscale)
         check_clients_cover_mesh(mesh, rank, group)        # no mesh rank left without a trainer process
-        check_strategy(strategy, mesh, [getattr(s, "name", s) for s in sources], global_batch, seed)
+        names = [getattr(s, "name", s) for s in sources]
+        check_strategy(strategy, mesh, names, global_batch, seed)
         self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,
                                       buffer_size=buffer_size, workers=workers, image_token_id=image_token_id,
                                       pad_id=pad_id, **extra)
         self._job.prefetch = prefetch            # the Planner's checkpoints record it (see load_checkpoint_store)
-        names = [getattr(s, "name", s) for s in sources]
         self._config = {"sources": names, "seed": seed, "global_batch": global_batch, "seq_len": seq_len,
                         "mesh": mesh.to_dict(), "image_token_id": image_token_id, loader_state.PREFETCH: prefetch,
                         loader_state.MIXTURE: mixture_spec(strategy, mesh, names, global_batch, seed),

@@ -5,20 +5,24 @@ ranks...) are raised where the loader is made, not at the first step in a worker
 Every source is given ``global_batch`` one-token samples without images: enough for any mixture.
 Only :class:`~torchdata_overlord.errors.ConfigError` counts; a strategy that fails for want of real
 data (a cost reading a field the stand-ins lack) is left to its first real step. The probe context
-has no Planner, so no schedule's running state moves (see :mod:`.primitives.mix`).
+has no Planner, so no schedule's running state moves (see :mod:`.primitives.mix`). A source the
+strategy's schedule never names is warned about: its loader would read for nothing.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError
 from .dgraph import DGraph, PlanContext
+from .mixture_probe import mixture_schedule
 from .place_tree import ClientPlaceTree
 from .plan import Plan
 from .records import BufferMeta
+from .schedules import FromCallable
 
 __all__ = ["check_strategy"]
 
@@ -44,4 +48,12 @@ def check_strategy(strategy: Callable, mesh: ClientPlaceTree, sources: Sequence[
     except ConfigError as e:
         raise ConfigError(f"the strategy, planned once before the loader starts: {e}") from e
     except Exception:  # noqa: BLE001 - it needs real data: its first step will say what is wrong
-        pass
+        return
+    schedule = mixture_schedule(strategy, mesh, sources, global_batch, seed)
+    if schedule is None or isinstance(schedule, FromCallable):     # (a callable's names are known step by step)
+        return
+    unmixed = [name for name in sources if name not in schedule.sources()]
+    if unmixed:
+        warnings.warn(f"sources {unmixed} are not in the strategy's mixture ({type(schedule).__name__} of "
+                      f"{sorted(schedule.sources())}): they are never sampled, and their loaders read for nothing; "
+                      f"give them a weight, or leave them out of the loader's sources", stacklevel=3)
