@@ -293,6 +293,90 @@ def test_a_schedule_the_strategy_builds_at_every_plan_runs_as_one_built_once(see
     assert p.stats["mixture"]["weights"] == pytest.approx(fresh.weights(0))
 
 
+class _Ema(ol.Schedule):
+    """A user's stateful schedule, written as ol.Schedule's docstring asks (no spec() or reset() of its own)."""
+
+    def __init__(self):
+        self.ema = {"a": 1.0, "b": 1.0, "c": 1.0}
+
+    def update(self, feedback):
+        for k, v in feedback.items():
+            self.ema[k] = 0.5 * self.ema[k] + 0.5 * v
+
+    def weights(self, step):
+        return {k: v ** 3 for k, v in self.ema.items()}
+
+    def state_dict(self):
+        return {"ema": dict(self.ema)}
+
+    def load_state_dict(self, state):
+        self.ema = dict(state["ema"])
+
+
+def test_a_users_stateful_schedule_runs_the_same_built_once_or_anew_and_shared():
+    """A Schedule subclass with running state in an attribute its state_dict() names: built anew at every plan it
+    carries on as one built once (the default spec() leaves the running attribute out, so the new object is seen
+    as the same schedule); a resume continues it; a second Planner sharing the object starts it as it was first
+    mixed, not as the first Planner left it (the base reset() is a no-op). All three used to diverge silently."""
+    rng = np.random.default_rng(5)
+    batch, steps, mesh = 24, 10, ol.ClientPlaceTree(dp=2)
+    feedback = [{n: float(rng.uniform(0, 3)) for n in NAMES[:3]} for _ in range(steps)]
+    bufs = _big_buffers(batch)
+
+    def planner(make):
+        return ol.Planner(lambda g: g.mix(make()).distribute("DP").balance("greedy", microbatches=2), mesh, batch)
+
+    once = _Ema()
+    assert once.spec() == {"kind": "_Ema"}
+    outside, inside, shared, alone = planner(lambda: once), planner(_Ema), None, planner(_Ema)
+    want, cut = [], 4
+    for step in range(steps):
+        want.append(outside.plan(bufs, feedback=[feedback[step]]).to_dict())
+        assert inside.plan(bufs, feedback=[feedback[step]]).to_dict() == want[-1], step
+        if step == cut:
+            resumed = planner(_Ema)
+            resumed.load_state_dict(inside.state_dict())
+        if step > cut:
+            assert resumed.plan(bufs, feedback=[feedback[step]]).to_dict() == want[-1], step
+    assert want[0] != want[-1]                                  # the feedback moved the mixture
+    shared = planner(lambda: once)                              # an eval Planner on the object the first one moved
+    assert [shared.plan(bufs).to_dict() for _ in range(3)] == [alone.plan(bufs).to_dict() for _ in range(3)]
+
+
+def test_one_schedule_mixing_two_views_moves_once_a_step():
+    """One Dynamic object mixed by the backbone's and the encoder's views takes each step's feedback once (it
+    took it once per mix(), moving twice as fast), and a resume at a random step continues it exactly (the
+    second mix's saved state used to overwrite the first's)."""
+    rng = np.random.default_rng(11)
+    batch, steps, mesh = 20, 8, ol.ClientPlaceTree(dp=2)
+    bufs = make_buffers({"a": np.arange(1, 3 * batch), "b": np.arange(1, 3 * batch)},
+                        {"a": np.full(3 * batch - 1, 4), "b": np.zeros(3 * batch - 1)})
+    feedback = [{"a": float(rng.uniform(0, 2)), "b": 1.0} for _ in range(steps)]
+
+    def planner():
+        d = ol.Dynamic({"a": 1, "b": 1}, lr=0.3)
+
+        def strategy(g):
+            text = g.mix(d).view("text").distribute("DP").balance("greedy")
+            images = g.mix(d).view("image").distribute("WORLD").balance("greedy")
+            return text.plan(encoder=images)
+        return d, ol.Planner(strategy, mesh, batch)
+
+    ref = ol.Dynamic({"a": 1, "b": 1}, lr=0.3)
+    d, a = planner()
+    plans, cut = [], int(rng.integers(1, steps - 1))
+    for step in range(steps):
+        if step == cut:
+            _, b = planner()
+            b.load_state_dict(a.state_dict())
+        ref.update(feedback[step])
+        p = a.plan(bufs, feedback=[feedback[step]])
+        assert p.stats["mixture"]["weights"] == pytest.approx(ref.weights(step)), step
+        if step >= cut:
+            assert b.plan(bufs, feedback=[feedback[step]]).to_dict() == p.to_dict(), step
+    assert d.updates == steps
+
+
 @pytest.mark.parametrize("sched", [
     ol.Linear({"a": 0.9, "b": 0.1}, {"a": 0.1, "b": 0.5, "c": 0.4}, steps=17),
     ol.Cosine({"a": 1}, {"c": 1}, steps=13, start_step=4),

@@ -44,7 +44,14 @@ def validate_weights(weights: Mapping[str, float], where: str) -> dict[str, floa
 
 class Schedule:
     """Base class: ``weights(step)`` gives the mixture at ``step``; stateful schedules override
-    ``state_dict``/``load_state_dict`` (the Planner checkpoints them with its own state)."""
+    ``state_dict``/``load_state_dict`` (the Planner checkpoints them with its own state) and, for
+    trainer feedback, ``update(values)``.
+
+    A schedule object may be built once, outside the strategy, or anew each time the strategy runs (each
+    step): a new object of the same :meth:`spec` as the step before's carries on from its running state;
+    one of another spec starts as made. Several Planners of a process (a train and an eval loader) may
+    share one object: each keeps its own running state, and starts from the state the object had when
+    first mixed."""
 
     def weights(self, step: int) -> dict[str, float]:
         raise NotImplementedError
@@ -66,9 +73,11 @@ class Schedule:
     def spec(self) -> dict:
         """The schedule's definition as plain values, not its running state: a checkpoint records it,
         so that resuming under another mixture is refused. By default the class and its JSON-able
-        attributes; a schedule with running state in its attributes overrides this."""
+        attributes but those :meth:`state_dict` names (``_ema`` or ``ema`` for a state key ``"ema"``); a
+        schedule that keeps running state in attributes named otherwise overrides this."""
+        running = set(self.state_dict())
         return {"kind": type(self).__qualname__,
-                **{k.lstrip("_"): v for k, v in sorted(vars(self).items()) if _plain(v)}}
+                **{k.lstrip("_"): v for k, v in sorted(vars(self).items()) if _plain(v) and k.lstrip("_") not in running}}
 
     def __call__(self, step: int) -> dict[str, float]:
         return self.weights(step)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 
@@ -13,6 +14,7 @@ from ..schedules import as_schedule, validate_weights
 
 _SCHEDULES = threading.Lock()     # one Planner at a time sets and reads a schedule object's running state
 _MOVED_BY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # schedule -> the Planner that moved it last
+_MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()       # schedule -> its running state when first mixed
 
 
 def _owned_by(schedule, planner) -> bool:
@@ -36,6 +38,28 @@ def _rebuilt(schedule, planner, key: str) -> bool:
         return _MOVED_BY.get(schedule) is None and before.spec() == schedule.spec()
     except TypeError:
         return False
+
+
+def _first_seen(schedule) -> None:
+    """Keep ``schedule``'s running state as it was made (before any Planner moves it): what
+    :func:`_reset` goes back to for a Planner that never moved it, whatever the schedule's own ``reset``."""
+    try:
+        if schedule not in _MADE:
+            _MADE[schedule] = copy.deepcopy(schedule.state_dict())
+    except TypeError:
+        pass
+
+
+def _reset(schedule) -> None:
+    """Back to the running state it had when first mixed (its own ``reset()`` where that is unknown)."""
+    try:
+        made = _MADE.get(schedule)
+    except TypeError:
+        made = None
+    if made is None:
+        schedule.reset()
+    else:
+        schedule.load_state_dict(copy.deepcopy(made))
 
 
 def _own(schedule, planner) -> None:
@@ -66,24 +90,14 @@ class Mix:
         key = ctx.key(self.KIND)
         saved = ctx.state.get(key, {})
         with _SCHEDULES:
-            if _rebuilt(self.schedule, ctx.planner, key) and self.STATE_SCHEDULE in saved:
-                # the strategy made this schedule anew (e.g. ol.Dynamic(...) inside the strategy function): the
-                # same schedule as the step before, which carries on from its running state, not from the start
-                self.schedule.load_state_dict(saved[self.STATE_SCHEDULE])
-            elif not _owned_by(self.schedule, ctx.planner):
-                # another Planner of this process (a loader of the same strategy, open or closed) moved this
-                # schedule object last: this Planner's own running state, or the schedule as it was made
-                if self.STATE_SCHEDULE in saved:
-                    self.schedule.load_state_dict(saved[self.STATE_SCHEDULE])
-                else:
-                    self.schedule.reset()
-            elif key in ctx.restoring and self.STATE_SCHEDULE in saved:
-                self.schedule.load_state_dict(saved[self.STATE_SCHEDULE])
+            # a schedule object that mixes two views is moved (state, feedback) by the step's first mix() only
+            if not any(s is self.schedule for s in ctx.live.values()):
+                self._running_state(ctx, key, saved.get(self.STATE_SCHEDULE))
+                if ctx.feedback and hasattr(self.schedule, "update"):
+                    for values in ctx.feedback:      # applied inside plan(): a pure input of this step
+                        self.schedule.update(values)
+                    ctx.feedback_used = True
             ctx.restoring.discard(key)
-            if ctx.feedback and hasattr(self.schedule, "update"):
-                for values in ctx.feedback:      # applied inside plan(): a pure input of this step
-                    self.schedule.update(values)
-                ctx.feedback_used = True
             weights = self.schedule.weights(ctx.step)
             schedule_state = self.schedule.state_dict()
             _own(self.schedule, ctx.planner)
@@ -120,3 +134,17 @@ class Mix:
         desc = ", ".join(f"{k}={v}" for k, v in info["counts"].items())
         return g.evolve(f"mix[{type(self.schedule).__name__}]: {desc}", records=recs.take(rows),
                         costs=None, placement=None, mix_info=info)
+
+    def _running_state(self, ctx, key: str, saved: dict | None) -> None:
+        """Give the schedule this Planner's running state before the step uses it (``saved``: what this
+        primitive saved the step before, or a loaded state's)."""
+        _first_seen(self.schedule)
+        if saved is None:
+            if not _owned_by(self.schedule, ctx.planner):
+                _reset(self.schedule)        # another Planner moved it; this one starts it as it was made
+        elif _rebuilt(self.schedule, ctx.planner, key) or not _owned_by(self.schedule, ctx.planner) \
+                or key in ctx.restoring:
+            # the strategy made it anew (e.g. ol.Dynamic(...) inside the strategy function: the same schedule as
+            # the step before, which carries on, not from the start), another Planner of this process moved it
+            # (a loader of the same strategy, open or closed), or a state was loaded
+            self.schedule.load_state_dict(saved)
