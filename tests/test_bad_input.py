@@ -198,14 +198,41 @@ def test_a_bad_strategy_is_refused_where_the_loader_is_made(corpus, runtime, str
                           seq_len=None, runtime=runtime, **args)
 
 
+class _Later(ol.Schedule):
+    """Names 'code' from step 3 only (a user's schedule: its sources() sees step 0)."""
+
+    def weights(self, step):
+        return {"web": 1} if step < 3 else {"web": 1, "code": 1}
+
+
 def test_a_source_the_mixture_never_names_is_warned_about(corpus):
-    """A loader source missing from the schedule was silently never sampled (its loader reading for nothing)."""
+    """A loader source missing from the schedule was silently never sampled (its loader reading for nothing).
+    Sources a schedule or the strategy brings in at a later step are not warned about."""
+    import warnings
     from test_loader import make_sources
     strat = lambda g: g.mix(ol.Linear({"web": 1}, {"web": 1, "code": 0}, steps=4)).distribute("DP").plan()  # noqa: E731
-    with pytest.warns(UserWarning, match=r"sources \['long'\] are not in the strategy's mixture \(Linear of "
-                                         r"\['code', 'web'\]\): they are never sampled"):
+    with pytest.warns(UserWarning, match=r"sources \['long'\] are not in the strategy's mixture \(its schedules "
+                                         r"name \['code', 'web'\] at steps 0-15 .*\): they are never sampled"):
         ol.OverlordLoader(make_sources(corpus, names=("web", "code", "long")), strat, ol.ClientPlaceTree(dp=2),
                           rank=None, global_batch=4, seq_len=None).close()
+    later = [lambda g: g.mix(_Later()).distribute("DP").plan(),
+             lambda g: g.mix({"web": 1} if g.step < 100_000 else {"web": 1, "code": 1}).distribute("DP").plan()]
+    for strat in later:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ol.OverlordLoader(make_sources(corpus, names=("web", "code")), strat, ol.ClientPlaceTree(dp=2),
+                              rank=None, global_batch=4, seq_len=None).close()
+
+
+def test_a_filter_after_the_mix_is_not_refused_for_its_stand_ins(corpus):
+    """A select() after mix() keeps none of the one-token stand-ins; the loader is still made, and plans real
+    data (the global-batch check used to count the stand-ins that passed the filter)."""
+    from test_loader import make_sources
+    strat = lambda g: (g.mix({"web": 1}).select(lambda r: r.tokens >= 8)  # noqa: E731
+                       .distribute("DP").balance("greedy").plan())
+    with ol.OverlordLoader(make_sources(corpus, names=("web",)), strat, ol.ClientPlaceTree(dp=2), rank=None,
+                           global_batch=10, seq_len=None) as loader:
+        assert next(iter(loader))[0]["delivery"] == "data"
 
 
 def test_a_strategy_that_needs_real_metadata_is_left_to_its_first_step(corpus):

@@ -400,6 +400,18 @@ def test_dynamic_schedule_feedback_through_the_loader_is_deterministic_and_resum
     with pytest.warns(UserWarning, match=r"prefetch: saved 2, now 3: feedback\(\) given from here weighs the plan 3"):
         with make(prefetch=3) as other:
             other.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    with make() as bad:                 # refused at the call, before it reaches a plan or a checkpoint
+        it = iter(bad)
+        next(it)
+        for values, pattern in (({"web": 1.0, "wbe": 2.0}, r"unknown sources \['wbe'\]"),
+                                ({"web": float("nan")}, r"value for 'web' is nan; it must be finite"),
+                                ({"web": "low"}, r"value for 'web' is 'low', not a number"),
+                                ([("web", 1.0)], r"takes a \{source: value\} dict, got list")):
+            with pytest.raises(ol.ConfigError, match=pattern):
+                bad.feedback(values)
+        assert json.loads(bad.state_dict()["job"])["feedback"] == []
+        for _ in range(3):
+            next(it)
     with make() as plain:                                      # without feedback the stream differs
         other = [x for _, x in zip(range(7), plain)]
     keys = lambda items: [[mb["sample_keys"] for mb in x[0]["microbatches"]] for x in items]  # noqa: E731

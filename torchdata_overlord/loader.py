@@ -18,6 +18,7 @@ import collections
 import concurrent.futures as cf
 import copy
 import logging
+import math
 import numbers
 import os
 import queue
@@ -418,7 +419,7 @@ class OverlordLoader:
         samples are then duplicated or lost across ranks.
         """
         self._check_open("feedback()")
-        values = {str(k): float(v) for k, v in values.items()}
+        values = self._checked_feedback(values)
         if self._pending is not None:          # given after a load_state_dict(): it follows the loaded step
             entry = [self._pending[self.K_STEP] + self.prefetch, values]
             self._pending[self.K_JOB].setdefault(JobState.FEEDBACK, []).append(entry)
@@ -427,6 +428,26 @@ class OverlordLoader:
         with self._lock:
             self._job.add_feedback(entry[0], values)
         self._feedback.append(entry)
+
+    def _checked_feedback(self, values: Mapping[str, float]) -> dict[str, float]:
+        """``values`` as ``{source: float}``; a ConfigError now for an unknown source or a value that is not a
+        finite number, which would otherwise fail every plan from ``prefetch`` steps on, and every resume."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"feedback() takes a {{source: value}} dict, got {type(values).__name__}")
+        unknown = sorted(set(map(str, values)) - set(self._config["sources"]))
+        if unknown:
+            raise ConfigError(f"feedback() names unknown sources {unknown}; this loader's sources are "
+                              f"{self._config['sources']}")
+        out = {}
+        for k, v in values.items():
+            try:
+                out[str(k)] = float(v)
+            except (TypeError, ValueError):
+                raise ConfigError(f"feedback() value for {k!r} is {v!r:.60}, not a number") from None
+            if not math.isfinite(out[str(k)]):
+                raise ConfigError(f"feedback() value for {k!r} is {v}; it must be finite (a diverged loss? skip "
+                                  f"that step's feedback)")
+        return out
 
     # -- state ---------------------------------------------------------------------------------
     def _job_state(self, at: dict) -> dict:

@@ -3,10 +3,11 @@
 ranks...) are raised where the loader is made, not at the first step in a worker process.
 
 Every source is given ``global_batch`` one-token samples without images: enough for any mixture.
-Only :class:`~torchdata_overlord.errors.ConfigError` counts; a strategy that fails for want of real
-data (a cost reading a field the stand-ins lack) is left to its first real step. The probe context
-has no Planner, so no schedule's running state moves (see :mod:`.primitives.mix`). A source the
-strategy's schedule never names is warned about: its loader would read for nothing.
+Only :class:`~torchdata_overlord.errors.ConfigError` counts (a cost asking ``records.column()`` for a
+column no source reports is one); a strategy that fails otherwise for want of real data is left to
+its first real step. The probe context has no Planner, so no schedule's running state moves (see
+:mod:`.primitives.mix`). A source the strategy's schedules name at none of a range of steps (0-15,
+then powers of two to 2**24) is warned about: its loader would read for nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from .mixture_probe import mixture_schedule
 from .place_tree import ClientPlaceTree
 from .plan import Plan
 from .records import BufferMeta
-from .schedules import FromCallable
 
 __all__ = ["check_strategy"]
 
@@ -39,21 +39,38 @@ def check_strategy(strategy: Callable, mesh: ClientPlaceTree, sources: Sequence[
             out = out.plan()
         if not isinstance(out, Plan):
             raise ConfigError(f"strategy must return a Plan or a DGraph, got {type(out).__name__}")
-        if out.axis == "dp" and len(out.records) < len(out.buckets):
-            # a step plans this many samples whatever the data (its mix), and each goes to one DP bucket
+        if out.axis == "dp" and "mix" in ctx.state and global_batch < len(out.buckets):
+            # a mix takes global_batch samples a step, whatever the data, and each goes to one DP bucket
             raise ConfigError(f"global_batch {global_batch} is smaller than the {len(out.buckets)} data-parallel ranks "
-                              f"of distribute('DP'), so {len(out.buckets) - len(out.records)} of them would get no "
+                              f"of distribute('DP'), so {len(out.buckets) - global_batch} of them would get no "
                               f"sample at any step (padding only, a loss over no token); give global_batch >= "
                               f"{len(out.buckets)}")
     except ConfigError as e:
         raise ConfigError(f"the strategy, planned once before the loader starts: {e}") from e
     except Exception:  # noqa: BLE001 - it needs real data: its first step will say what is wrong
         return
-    schedule = mixture_schedule(strategy, mesh, sources, global_batch, seed)
-    if schedule is None or isinstance(schedule, FromCallable):     # (a callable's names are known step by step)
-        return
-    unmixed = [name for name in sources if name not in schedule.sources()]
+    named = _named(strategy, mesh, sources, global_batch, seed)
+    unmixed = [name for name in sources if named is not None and name not in named]
     if unmixed:
-        warnings.warn(f"sources {unmixed} are not in the strategy's mixture ({type(schedule).__name__} of "
-                      f"{sorted(schedule.sources())}): they are never sampled, and their loaders read for nothing; "
-                      f"give them a weight, or leave them out of the loader's sources", stacklevel=3)
+        warnings.warn(f"sources {unmixed} are not in the strategy's mixture (its schedules name {sorted(named)} at "
+                      f"steps 0-15 and at every power of two to 2**24): they are never sampled, and their loaders "
+                      f"read for nothing; give them a weight, or leave them out of the loader's sources", stacklevel=3)
+
+
+_PROBED_STEPS = (*range(16), *(2 ** k for k in range(4, 25)))
+
+
+def _named(strategy: Callable, mesh: ClientPlaceTree, sources: Sequence[str], global_batch: int,
+           seed: int) -> set[str] | None:
+    """Every source the strategy's first schedule names (with any weight) at the probed steps; None when that
+    cannot be told (no mix, or a strategy or schedule that fails on the probe)."""
+    named: set[str] = set()
+    for step in _PROBED_STEPS:
+        try:
+            schedule = mixture_schedule(strategy, mesh, sources, global_batch, seed, step)
+            if schedule is None:
+                return None
+            named |= set(schedule.sources()) | set(schedule.weights(step))
+        except Exception:  # noqa: BLE001 - a schedule that cannot say: no warning
+            return None
+    return named

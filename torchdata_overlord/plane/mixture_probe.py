@@ -46,10 +46,10 @@ def mixture_spec(strategy: Callable, mesh: ClientPlaceTree, sources: Sequence[st
 
 
 def mixture_schedule(strategy: Callable, mesh: ClientPlaceTree, sources: Sequence[str], global_batch: int,
-                     seed: int):
-    """The strategy's first mixing schedule (a :class:`~.schedules.Schedule`), or None when it has no
-    ``mix()`` or needs data before it."""
-    ctx = PlanContext(mesh, 0, seed, global_batch)
+                     seed: int, step: int = 0):
+    """The strategy's first mixing schedule (a :class:`~.schedules.Schedule`) at ``step``, or None when it has
+    no ``mix()`` or needs data before it."""
+    ctx = PlanContext(mesh, step, seed, global_batch)
     graph = _Probe.from_buffers([BufferMeta(name, [], []) for name in sources], ctx)
     try:
         strategy(graph)
