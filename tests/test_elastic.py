@@ -279,14 +279,15 @@ if __name__ == "__main__":
     assert exact, kept
     for at in (exact[0], newest - 1):
         with make_loader(corpus, {"dp": 2}, 12, strat=dynamic_strategy) as b:
-            changes = b.load_checkpoint_store(str(store), step=at)
+            if at in exact:
+                assert b.load_checkpoint_store(str(store), step=at) == []
+            else:
+                with pytest.warns(UserWarning, match=r"load_checkpoint_store: feedback: the plans of steps"):
+                    b.load_checkpoint_store(str(store), step=at)
             tail = run_with_feedback(b, 12 - at, start=at)
         if at in exact:
-            assert changes == []
             for x, y in zip(tail, stream[at:]):
                 assert_identical(x, y)
-        else:
-            assert any(c.startswith("feedback: the plans of steps") for c in changes), changes
 
 
 @pytest.mark.slow
