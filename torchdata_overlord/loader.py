@@ -8,7 +8,7 @@ ready step only takes it (it waits on no future, Condition or thread); a failed 
 as its exception, never as the end of the stream. ``state_dict()`` describes
 what the trainer has *consumed*, not what was prefetched, holds only plain Python types, is cheap
 and side-effect free; ``load_state_dict()`` checks its input as a whole (see
-:mod:`~torchdata_overlord.loader_state`), copies it and applies it at the next ``iter()``, which
+:mod:`~torchdata_overlord.loader_state`), copies it and applies it at the next ``iter()`` or ``next()``, which
 continues with exactly the steps an uninterrupted run would have produced.
 """
 
@@ -38,9 +38,9 @@ from .plane.dry_run import check_strategy
 from .plane.mixture_probe import mixture_spec
 from .plane.place_tree import ClientPlaceTree
 from .runtime.coverage import check_clients_cover_mesh
-from .runtime.local import LocalJob
 from .roles.planner import check_seed
 from .roles.source_loader import SourceLoader
+from .runtime.local import LocalJob
 from .runtime.step import JobState, SourceExhausted
 from .runtime.rpc_job import RpcJob
 
@@ -473,8 +473,9 @@ class OverlordLoader:
     def load_state_dict(self, state: Mapping, strict: bool = True, sources_changed: str = "refuse") -> list[str]:
         """Check ``state`` as a whole and copy it; the next ``next()`` or ``iter()`` continues exactly
         after the step it describes (inside a running ``for`` loop too: its next item is the loaded
-        position's; feedback given before it counts as given after the loaded step). A state that is not one this configuration wrote, unmodified, is refused
-        with a :class:`ConfigError` naming the first inconsistency. A state saved under another mesh,
+        position's; feedback given before it counts as given after the loaded step). A state that is
+        not one this configuration wrote, unmodified, is refused with a :class:`ConfigError` naming the
+        first inconsistency. A state saved under another mesh,
         global batch, number of constructors or loader actors, or runtime continues here elastically
         (:mod:`~torchdata_overlord.elastic` says what carries over and what "consumed" means). A state
         saved with another source set needs ``sources_changed="allow"``; under another mixing strategy
@@ -511,7 +512,7 @@ class OverlordLoader:
         return self._resume(step, job, saved, changes, "load_checkpoint_store")
 
     def _resume(self, step: int, job: dict, saved: dict, changes: list[str], how: str = "load_state_dict") -> list[str]:
-        """Continue at ``step`` with ``job`` (checked, saved under config ``saved``) at the next ``iter()``."""
+        """Continue at ``step`` with ``job`` (checked, saved under config ``saved``) at the next ``iter()``/``next()``."""
         if changes:
             warnings.warn(f"OverlordLoader.{how}: " + "; ".join(changes), stacklevel=3)
         job, elastic = adapt(job, step, saved, self._config, self._initial_job)

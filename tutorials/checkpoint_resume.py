@@ -5,7 +5,7 @@ thread has already built; it holds only plain Python types (source positions, th
 mixing carry and schedule state: no sample bytes), so it goes into an ordinary checkpoint and
 ``torch.load`` reads it back with its default ``weights_only=True``. ``load_state_dict()`` checks it
 as a whole (a state of another configuration, or truncated or edited, is refused; one saved under
-another mixture needs ``strict=False``), copies it and applies it at the next ``iter()``, which
+another mixture needs ``strict=False``), copies it and applies it at the next ``iter()`` or ``next()``, which
 continues with exactly the steps an uninterrupted run would have produced.
 
 This walk-through trains (pretends to) for ``--save-at`` steps on the demo corpus's four real
