@@ -101,8 +101,13 @@ def _feedback_by(store: CheckpointStore, at: int, kept: list[int]) -> tuple[list
             unplanned.append(t)
     used = any(r["applied"] or r["feedback"] for r in records.values())
     if unplanned and used:
+        # feedback given after consuming c steps reaches the Planner with the trainer's next request, the one
+        # for step c + prefetch: what the trainer gave after its last steps before it stopped never did
         return feedback, [f"feedback: the plans of steps {unplanned} were not made before the job stopped, so feedback "
-                          f"the trainer gave for them may be missing from the store (it has "
-                          f"{sum(s in unplanned for s, _ in feedback)} entries for them); resume at step "
-                          f"{kept[-1] - int(prefetch) - 1} or earlier for the exact stream"]
+                          f"the trainer gave for them (after consuming steps {[t - int(prefetch) for t in unplanned]}) "
+                          f"may be missing from the store, which has {sum(s in unplanned for s, _ in feedback)} "
+                          f"entries for them. For the exact stream, resume at step {kept[-1] - int(prefetch) - 1} or "
+                          f"earlier" + (", or give the feedback of the last step consumed again with feedback() right "
+                                        "after this call (it counts after the loaded step)"
+                                        if unplanned == [at + int(prefetch)] else "")]
     return feedback, []
