@@ -349,3 +349,54 @@ if __name__ == "__main__":
         time.sleep(0.2)
     else:
         pytest.fail(f"processes of the trainer's group are left: {subprocess.run(['pgrep', '-g', str(proc.pid), '-a'], capture_output=True, text=True).stdout}")
+
+
+FORK_SERVER_DIES_SCRIPT = """
+import json, os, signal, sys, time, torch
+sys.path.insert(0, {tests!r})
+from multiprocessing import forkserver
+from test_rpc_process_lifecycle import make_loader
+from torchdata_overlord.sim.corpus import build_demo_corpus
+
+if __name__ == "__main__":
+    corpus = build_demo_corpus({root!r}, scale="test", seed=0)
+    out = {{"items": []}}
+    with make_loader(corpus, "train", "rpc", n_workers=2) as loader:
+        it = iter(loader)
+        out["items"] += [next(it) for _ in range(2)]
+        os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)   # as the OOM killer may: the roles live on
+        time.sleep(0.5)
+        out["items"] += [next(it) for _ in range(2)]
+        roles = loader.stats()["roles"]
+        out["roles"] = sorted(set(roles.values()))
+        os.kill(roles["planner"], signal.SIGKILL)                          # a role process that does die is seen
+        try:
+            for _ in range(20):
+                next(it)
+        except Exception as e:
+            out["error"] = f"{{type(e).__name__}}: {{e}}"
+    with make_loader(corpus, "eval", "rpc", n_workers=1) as loader:        # a new fork server starts the next job
+        out["again"] = next(iter(loader))
+    torch.save(out, {out!r})
+"""
+
+
+@pytest.mark.slow
+def test_roles_outlive_the_fork_server_that_started_them(corpus, tmp_path):
+    """The fork server only starts role processes; multiprocessing reads their exits through its socket, and
+    when it died (SIGKILL, or the OOM killer: it holds torch) every role process read as exited with code 255,
+    and the job failed with a role 'lost' that still ran. The roles serve on; a role process that does die
+    later is reported so (its exit code, which only the fork server could read, is unknown); the next job starts
+    a new fork server."""
+    out = tmp_path / "out.pt"
+    script = FORK_SERVER_DIES_SCRIPT.format(tests=str(TESTS), root=str(corpus.root), out=str(out))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=str(ROOT),
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(out, weights_only=False)
+    assert_identical(got["items"], local_stream(corpus, "train", 4))
+    assert got["error"].startswith("RoleLost"), got["error"]
+    assert "'planner'" in got["error"] and "code 255" not in got["error"], got["error"]
+    assert_identical(got["again"], local_stream(corpus, "eval", 1)[0])
+    assert not [p for p in got["roles"] if _alive(p)]

@@ -15,21 +15,25 @@ import atexit
 import itertools
 import multiprocessing as mp
 import os
+import select
 import shutil
+import signal
 import tempfile
 import threading
 import time
 import uuid
+import weakref
 from typing import Callable
 
 from ..errors import ConfigError
 from . import _rpc_worker as W
 from . import rpc_leave as L
+from .procstats import process_running
 from .rpc_agent import CPP_ERRORS_ONLY, LOOPBACK_ENV, TransportStartupError, set_cpp_log_level, start_rpc, stop_rpc
 from .transport import TransportClosed
 
 __all__ = ["RpcSession", "open_spawned", "open_joined", "spawn_workers", "exited_during_start_up",
-           "prestart_fork_server", "preload_also"]
+           "prestart_fork_server", "preload_also", "WorkerProcess"]
 
 #: what the fork server imports once, so every worker (spares included) starts with it in shared pages
 PRELOAD = ["torch", "torch.distributed.rpc", "pyarrow.parquet", W.__name__, "torchdata_overlord.runtime.planner_actor",
@@ -108,10 +112,136 @@ def prestart_fork_server() -> None:
     _ensure_fork_server()
 
 
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid`` (readable once it exited; it names that process even if the pid is reused), or None
+    where the kernel or Python has none, or the process is gone already."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+class WorkerProcess:
+    """A role worker process that :func:`spawn_workers` started, its liveness read from the process itself.
+
+    Under the ``forkserver`` start method a worker is the fork server's child, and multiprocessing learns that
+    it exited (its ``is_alive()``, ``exitcode``, ``join()``) from the fork server's socket: a fork server that
+    dies (SIGKILL, the OOM killer picks it: it holds torch) closed that socket, and every worker then read as
+    exited with code 255 while each still served its roles. Here a worker is alive while its pid is (a pidfd
+    opened at its start; ``/proc`` where there are none), the exit code is multiprocessing's where the fork
+    server reported it, and unknown (None, :meth:`describe_exit` says why) where the fork server died first."""
+
+    def __init__(self, proc, server_pid: int | None = None):
+        self._proc = proc
+        self.name, self.pid = proc.name, proc.pid
+        self._fd = _pidfd(proc.pid)
+        if self._fd is not None:
+            weakref.finalize(self, _close_fd, self._fd)
+        self._server_pid = server_pid
+        self._server_fd = _pidfd(server_pid) if server_pid is not None else None
+        if self._server_fd is not None:
+            weakref.finalize(self, _close_fd, self._server_fd)
+        self.server_lost = False            # its fork server died (it can no longer tell how this worker exits)
+
+    def _running(self) -> bool:
+        if self._fd is not None:
+            try:
+                return not select.select([self._fd], [], [], 0)[0]
+            except (OSError, ValueError):
+                pass
+        return process_running(self.pid)
+
+    def _server_gone(self) -> bool:
+        if self._server_pid is None:
+            return False
+        if self._server_fd is not None:
+            try:
+                return bool(select.select([self._server_fd], [], [], 0)[0])
+            except (OSError, ValueError):
+                pass
+        return not process_running(self._server_pid)
+
+    def is_alive(self) -> bool:
+        mp_alive = self._proc.is_alive()
+        if self._running():
+            if not mp_alive:                # multiprocessing says exited (code 255): the fork server's socket closed
+                self.server_lost = True
+            return True
+        return False
+
+    @property
+    def exitcode(self) -> int | None:
+        """The exit code (None while it runs, and where it exited after its fork server died: unknown)."""
+        if self.is_alive():
+            return None
+        code = self._proc.exitcode
+        if code == 255 and (self.server_lost or self._server_gone()):
+            self.server_lost = True
+            return None
+        return code
+
+    def describe_exit(self) -> str:
+        code = self.exitcode
+        if code is not None:
+            return f"exited with code {code}"
+        if self.is_alive():
+            return "is running"
+        return "exited (with an unknown exit code: the multiprocessing fork server that started it died before it)"
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the process exited, at most ``timeout`` seconds (None: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._fd is not None:
+            try:
+                select.select([self._fd], [], [], timeout)
+            except (OSError, ValueError):
+                pass
+        while self._running() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.02)
+        if not self._running():             # the fork server reports the code a moment after the exit
+            left = 1.0 if deadline is None else deadline - time.monotonic()
+            self._proc.join(max(0.05, min(1.0, left)))
+
+    def kill(self) -> None:
+        """SIGKILL the process (by its pidfd where there is one: never another process that reused its pid)."""
+        if not self._running():
+            return
+        try:
+            if self._fd is not None and hasattr(signal, "pidfd_send_signal"):
+                signal.pidfd_send_signal(self._fd, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, OSError):
+            pass
+
+    def terminate(self) -> None:
+        if self._running():
+            try:
+                os.kill(self.pid, signal.SIGTERM)
+            except OSError:
+                pass
+
+    def __repr__(self) -> str:
+        return f"<WorkerProcess {self.name} pid {self.pid} {self.describe_exit()}>"
+
+
+def _fork_server_pid() -> int | None:
+    from multiprocessing import forkserver
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
 def spawn_workers(members: list[tuple[str, int]], rendezvous: dict, rpc_timeout: float,
                   start_method: str = "forkserver") -> tuple[list, list]:
     """Start one role worker process per ``(name, rank)``; each exits when its pipe (the second
-    list) is closed or its parent dies. Workers come from the fork server, which preloads torch."""
+    list) is closed or its parent dies. Workers come from the fork server, which preloads torch (a fork server
+    that died is started anew here); each is a :class:`WorkerProcess`, alive while its process is."""
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         _ensure_fork_server()
@@ -123,14 +253,14 @@ def spawn_workers(members: list[tuple[str, int]], rendezvous: dict, rpc_timeout:
                         name=name, daemon=True)
         p.start()
         r.close()
-        procs.append(p)
+        procs.append(WorkerProcess(p, _fork_server_pid() if start_method == "forkserver" else None))
         conns.append(w)
     return procs, conns
 
 
 def exited_during_start_up(procs) -> str | None:
     """Why a start-up cannot succeed: worker processes that exited already (None while all run)."""
-    dead = [f"{p.name} (exit code {p.exitcode})" for p in procs if not p.is_alive()]
+    dead = [f"{p.name} ({p.describe_exit()})" for p in procs if not p.is_alive()]
     if not dead:
         return None
     return (f"RPC process(es) {dead} exited during start-up; each printed why to this process's stderr (e.g. "

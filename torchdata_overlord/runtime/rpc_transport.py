@@ -251,7 +251,7 @@ class RpcTransport(Transport):
     def _died(self, name: str, method: str) -> ActorDied:
         i = self._placement[name]
         return ActorDied(f"actor {name!r} is dead: its worker process {W.worker_name(i)} (pid "
-                         f"{self._procs[i].pid}) exited with code {self._procs[i].exitcode} (calling {method}())", name)
+                         f"{self._procs[i].pid}) {self._procs[i].describe_exit()} (calling {method}())", name)
 
     def _map_error(self, e: BaseException, name: str, method: str, timeout: float) -> BaseException:
         err = C.map_error(e, name, method, timeout)
