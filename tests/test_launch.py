@@ -245,6 +245,40 @@ def test_a_launched_job_ends_cleanly_on_faults(corpus, tmp_path, fault):
     assert not wait_gone(role_pids)
 
 
+def fork_server_of(pid: int) -> int:
+    """The multiprocessing fork server process ``pid`` started (its child running ``forkserver``)."""
+    kids = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    servers = [int(k) for k in kids if b"forkserver" in open(f"/proc/{k}/cmdline", "rb").read()]
+    assert len(servers) == 1, (kids, servers)
+    return servers[0]
+
+
+@pytest.mark.slow
+def test_a_launched_job_outlives_its_launchers_fork_server(corpus, tmp_path):
+    """The launcher's fork server only starts the role workers; when it died (SIGKILL, or the OOM killer: it holds
+    torch) every worker read as exited with code 255, and the launcher stopped a healthy job ('role worker
+    process(es) [...] died'). The job goes on to its end, exit code 0 everywhere, and the launcher says what died."""
+    port, steps = free_port(), 30
+    node = launcher(write_config(tmp_path, corpus, mesh={"dp": 1}), port, "--ping-every", "0.5")
+    client, out = trainer(tmp_path, corpus, port, 0, steps, pause=0.1, mesh={"dp": 1})
+    try:
+        line = client.stdout.readline()                   # the job runs: the trainer consumed a step
+        assert line.startswith("roles"), finish([client, node], 10)
+        role_pids = [int(p) for p in line.split(" ", 1)[1].strip("[]\n").split(",")]
+        os.kill(fork_server_of(node.pid), signal.SIGKILL)
+        results = finish([client, node], 120)
+    finally:
+        for p in (client, node):
+            if p.poll() is None:
+                p.kill()
+    assert all(rc == 0 for rc, _ in results), [err[-3000:] for _, err in results]
+    assert "died; stopping every role" not in results[1][1], results[1][1][-3000:]
+    assert "the multiprocessing fork server that started the role workers died" in results[1][1], results[1][1][-3000:]
+    got = torch.load(out, weights_only=False)
+    assert [it["step"] for it in got["items"]] == list(range(steps))
+    assert not wait_gone(role_pids)
+
+
 @pytest.mark.slow
 def test_the_launcher_runs_under_torchrun(corpus, tmp_path):
     """torchrun hosts the store (its agent's, at --master-port): the launcher uses it, trainers connect there."""

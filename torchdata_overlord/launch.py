@@ -279,6 +279,7 @@ class Launcher:
             if self.stopping.is_set():
                 return "the launcher was interrupted (Ctrl-C or SIGTERM)"
             dead = [p.name for p in self.procs if not p.is_alive()]
+            self.note_fork_server()
             if dead and not self.fault_tolerant:
                 return f"role worker process(es) {dead} died"
             self.note_dead(dead)
@@ -293,6 +294,14 @@ class Launcher:
                         if c not in L.left_clients(ns):   # a trainer that left just now is not dead
                             return f"trainer client {c} died without leaving (unreachable: {str(e).splitlines()[0][:120]})"
         return None
+
+    def note_fork_server(self) -> None:
+        """Say once that this node's multiprocessing fork server died (SIGKILL, the OOM killer: it holds torch).
+        It only starts processes: the role workers it started serve on, each watched by its own pid."""
+        if not getattr(self, "fork_server_said", False) and any(getattr(p, "server_lost", False) for p in self.procs):
+            self.fork_server_said = True
+            log.warning("node %d: the multiprocessing fork server that started the role workers died; they serve on "
+                        "(watched by their own pids), but their exit codes can no longer be read", self.a.node_rank)
 
     def note_dead(self, dead: list[str]) -> None:
         """With fault tolerance a dead worker is the Planner's to replace: say so, once per worker."""
@@ -309,6 +318,7 @@ class Launcher:
                 return 1
             for p in self.procs:
                 p.join(0.1)
+            self.note_fork_server()
             if self.fault_tolerant:
                 self.note_dead([p.name for p in self.procs if not p.is_alive()])
         codes = [p.exitcode for p in self.procs]
