@@ -216,8 +216,11 @@ def test_two_data_nodes_and_two_trainers_equal_the_local_runtime(corpus, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["ctrl-c launcher", "kill a trainer"])
+@pytest.mark.parametrize("fault", ["ctrl-c launcher", "kill a trainer", "kill the launcher"])
 def test_a_launched_job_ends_cleanly_on_faults(corpus, tmp_path, fault):
+    """Each trainer still there learns why the job stopped. A killed launcher (SIGKILL, the OOM killer) takes the
+    role processes with it: the trainers said that the actor 'launcher' or 'planner-registry' was unreachable, and
+    warned that they could not tell the launcher they leave."""
     port = free_port()
     node = launcher(write_config(tmp_path, corpus), port, "--ping-every", "0.5")
     trainers = [trainer(tmp_path, corpus, port, r, 10_000, pause=0.05) for r in (0, 1)]
@@ -228,6 +231,8 @@ def test_a_launched_job_ends_cleanly_on_faults(corpus, tmp_path, fault):
         t0 = time.monotonic()
         if fault == "ctrl-c launcher":
             node.send_signal(signal.SIGINT)
+        elif fault == "kill the launcher":
+            node.send_signal(signal.SIGKILL)
         else:
             trainers[1][0].send_signal(signal.SIGKILL)
         results = finish([node] + [p for p, _ in trainers], 60)
@@ -236,12 +241,17 @@ def test_a_launched_job_ends_cleanly_on_faults(corpus, tmp_path, fault):
         for p in [node] + [p for p, _ in trainers]:
             if p.poll() is None:
                 p.kill()
-    assert results[0][0] == 1, results[0][1][-2000:]                # the launcher says the job failed
+    # the launcher says the job failed (a killed one says nothing)
+    assert results[0][0] == (-signal.SIGKILL if fault == "kill the launcher" else 1), results[0][1][-2000:]
     assert all("TIMEOUT" not in err for _, err in results)           # nobody hung
-    # trainer 0 (still there) learns why the job stopped, not that some role became unreachable
-    why = "the launcher was interrupted" if fault == "ctrl-c launcher" else "trainer client 1 died"
-    assert results[1][0] != 0 and "JobStopped" in results[1][1] and why in results[1][1], results[1][1][-2000:]
-    assert "ActorDied" not in results[1][1], results[1][1][-2000:]
+    # the trainers still there learn why the job stopped, not that some role became unreachable
+    why = {"ctrl-c launcher": "the launcher was interrupted", "kill a trainer": "trainer client 1 died",
+           "kill the launcher": "its launcher process died"}[fault]
+    for rc, err in results[1:] if fault == "kill the launcher" else results[1:2]:
+        assert rc != 0 and "JobStopped" in err and why in err, err[-2000:]
+        assert "ActorDied" not in err and "could not tell" not in err, err[-2000:]
+    if fault == "kill the launcher":
+        assert "load_checkpoint_store" in results[1][1], results[1][1][-2000:]
     assert not wait_gone(role_pids)
 
 

@@ -10,6 +10,7 @@ its :class:`PlannerRegistry`.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import threading
 import time
 
@@ -113,7 +114,7 @@ class ClientRecovery:
                 raise RoleLost(f"step {req.step} could not be delivered within recovery_timeout="
                                f"{self.recovery_timeout:g} s after a failure ({err})")
         except BaseException as e:          # noqa: BLE001 - the trainer's next() raises it
-            settle(req.out, exc=e)
+            settle(req.out, exc=self._launcher_died(e) or e)
             return
         self.faults["reissued"] += 1
         req.out.delayed = True
@@ -122,6 +123,31 @@ class ClientRecovery:
                 continue
             other.gen_seen = self._gen
             self._issue(other)
+
+    def _launcher_died(self, err: BaseException) -> "JobStopped | None":
+        """In a launched job whose launcher process is gone (SIGKILL, the OOM killer; its role processes exit
+        with it, and a recovery fails on whatever it asks first: the launcher, the Planner, the leader's
+        registry): a JobStopped saying so and what to do, instead of ``err`` (None when the launcher answers,
+        or this is no launched job). The job counts as stopped from then on."""
+        ledger = getattr(self.transport, "ledger", None) if self._launched else None
+        if ledger is None or not isinstance(err, (RoleLost,) + RECOVERABLE):
+            return None
+        import torch.distributed.rpc as rpc
+
+        from .rpc_calls import map_error
+        try:
+            rpc.rpc_sync(ledger, os.getpid, timeout=2)
+            return None                     # it answers: the failure is another's
+        except BaseException as e:          # noqa: BLE001
+            if not isinstance(map_error(e, "launcher", "getpid", 2), ActorDied):
+                return None                 # slow, not gone: say what failed
+            gone = str(e).splitlines()[0][:120]
+        address = getattr(self.transport, "rendezvous", {}).get("address", "?")
+        self._stopped = (f"the launched job at {address} stopped: its launcher process died (unreachable: {gone}), and "
+                         f"its role processes exit with it. Start the launcher again, then resume this trainer from "
+                         f"its loader's state_dict() (load_state_dict) or, with a checkpoint_dir, from the fault-"
+                         f"tolerance store (load_checkpoint_store)")
+        return JobStopped(self._stopped)
 
     def _recover(self, err: BaseException, step: int) -> None:
         """Replace what failed (the Planner: the leader; a constructor: the Planner), then learn the
