@@ -147,6 +147,27 @@ def test_a_frozen_loader_is_detected_by_the_timeout_and_replaced(corpus, tmp_pat
 
 
 @pytest.mark.slow
+def test_a_frozen_planner_is_replaced_within_a_few_call_timeouts(corpus, tmp_path):
+    """SIGSTOP the Planner's process (with n_workers=2 it holds loaders and a constructor too), later let it
+    continue: the trainer's fetch times out (wait_timeout, 4 call timeouts), a ping of the Planner's process
+    (answered by any live process, however busy its actors) finds it frozen within one more, the new Planner
+    finds the frozen roles beside it the same way and replaces them at once, and the stream is the local
+    runtime's. Before, the client asked the frozen Planner to replace the constructor with a call of
+    recovery_timeout, then the new Planner waited out each frozen loader's restore in turn: the step came
+    after 4 call timeouts + recovery_timeout + more, as RoleLost."""
+    t, rt, steps = 3, 60, 24
+    rep = run(corpus, tmp_path, steps=steps, prefetch=2, call_timeout=t, recovery_timeout=rt, n_workers=2,
+              faults=[{"step": 6, "freeze": ["planner"]}, {"step": 14, "thaw": True}])
+    assert rep["error"] is None, rep["error"]
+    assert rep["digests"] == reference(corpus, 2, steps)
+    assert "planner" in [r["kind"] for r in rep["recoveries"]], rep["recoveries"]
+    # detection: the fetch's wait (4 t) and a ping (t); the new Planner: its pings (t), the restores, start-ups
+    bound = 4 * t + t + t + 15
+    print("longest wait", max(rep["waits_ms"]) / 1000, "s; recoveries:", [(r["kind"], r["seconds"]) for r in rep["recoveries"]])
+    assert max(rep["waits_ms"]) / 1000 < bound < rt, (max(rep["waits_ms"]), rep["recoveries"])
+
+
+@pytest.mark.slow
 def test_a_corrupt_newest_snapshot_falls_back_to_the_previous_one(corpus, tmp_path):
     # loader and shadow die together: the replacement restores from the differential checkpoint,
     # whose newest snapshot (step 10) is corrupt: the one of step 5 plus a longer replay serves

@@ -286,6 +286,12 @@ def _invoke(name: str, caller: str, seq: int, method: str, data: bytes, buffer) 
     return fut
 
 
+def _pid() -> int:
+    """A process-level ping (:func:`.rpc_calls.ping_worker`): run by the RPC agent's threads, never queued
+    behind an actor's calls, so a process whose actors are busy answers at once and a frozen one does not."""
+    return os.getpid()
+
+
 def _exit_now(code: int = 0) -> None:
     """End this process at once, skipping RPC's shutdown barrier (the job is over, or torn down)."""
     threading.Timer(0.05, os._exit, args=(code,)).start()

@@ -159,9 +159,18 @@ class ClientRecovery:
             self._planner_lost(err)
             how = "replaced the Planner" if self.is_leader else "learned the leader's new Planner"
         elif actor is not None and actor.startswith("constructor") and not isinstance(err, JobReset):
+            # the constructor may have waited for a frozen Planner (its advance), or share its process: asked
+            # first, a frozen Planner would hold report_failure for all of recovery_timeout before it is replaced
+            frozen = self._planner_unanswering()
+            if frozen is not None:
+                with self._recovery_lock:
+                    if self.planner_name == planner:
+                        self._planner_lost(frozen)
             self._ask_planner(lambda p: p.report_failure(actor, step, timeout=self.recovery_timeout),
                               self.recovery_timeout)
             how = "constructor replaced by the Planner"
+            if self.planner_name != planner:
+                how = "replaced the Planner" if self.is_leader else "learned the leader's new Planner"
         info = self._ask_planner(lambda p: p.generation())       # may find the Planner lost, and follow it
         if self.planner_name != planner and how == "new generation":
             how = "replaced the Planner" if self.is_leader else "learned the leader's new Planner"
@@ -169,6 +178,19 @@ class ClientRecovery:
         self._gen, self._constructors = info["gen"], list(info["constructors"])
         self.faults["recoveries"].append({"step": step, "actor": actor, "how": how,
                                           "seconds": round(time.monotonic() - t0, 4)})
+
+    def _planner_unanswering(self) -> BaseException | None:
+        """None when the Planner's process answers a ping within the call timeout (however busy the Planner
+        is: a ping is not queued behind its calls); else the failure (CallTimeout: frozen, ActorDied: gone),
+        naming the Planner."""
+        try:
+            self.transport.ping(self.planner_name, self.timeout).result(self.timeout + 5)
+        except FAILURES as e:
+            return e
+        except cf.TimeoutError:
+            return CallTimeout(f"{self.planner_name}'s process did not answer a ping within {self.timeout:g} s",
+                               self.planner_name)
+        return None
 
     def _ask_planner(self, call, timeout: float | None = None):
         """``call(PlannerRef)``'s answer, surviving a lost Planner (replaced or learned, then asked again)."""

@@ -18,7 +18,8 @@ position, :meth:`~.planner_actor.PlannerActor.rewind` and :meth:`~.planner_actor
   the clients ask again for what they have not received; plans are a pure function of the state,
   so the stream is the same;
 * a replacement Planner (started by the leader client when this one fails) restores itself from
-  the store with :meth:`Recovery.recover`, then rewinds the same way.
+  the store with :meth:`Recovery.recover`, then rewinds the same way; the roles whose process answers
+  no ping (frozen with the old Planner) are replaced at once, the others restored, all together.
 
 A failure nothing can replace (no shadow, no spare) ends the stream with :class:`~.fault_policy.RoleLost`, which
 names the role and the step: never a silent skip.
@@ -40,6 +41,7 @@ from .refs import ConstructorRef, LoaderRef, constructor_actor, loader_actor
 from .shadows import Shadows
 from .spares import Spares
 from .step import JobState
+from .transport import CallTimeout
 
 __all__ = ["Recovery"]
 
@@ -211,24 +213,59 @@ class Recovery:
         self.replaced[PLANNER_KEY] += 1
         self.home = home
         self.peers.learn(dict(self.spares.where))
-        loaders = {}
+        snaps = {}
         for s in self.keys:
-            snap = self.checkpoints.differential(self.job.parts.source_of(s), version)
-            if snap is None:
+            snaps[s] = self.checkpoints.differential(self.job.parts.source_of(s), version)
+            if snaps[s] is None:
                 raise RoleLost(f"source {s!r}: no snapshot at or before step {version} to restore from")
+        # the predecessor may have been frozen, not killed, and the roles of its process with it: a ping (answered
+        # whatever the role is busy with) finds them within one call timeout, all at once, instead of each
+        # restore waiting out its own, longer, timeout in turn (the replay's)
+        frozen = self._unanswering(list(self.active.values()) + list(self.constructor_names))
+
+        def restore(name: str, s: str) -> cf.Future:
+            return self.loader_ref(name).restore(job.gen, snaps[s][1], snaps[s][2], timeout=self.timeout * 4)
+
+        asked = {s: restore(self.active[s], s) for s in self.keys if self.active[s] not in frozen}
+        cf.wait(list(asked.values()), timeout=self.timeout * 4 + 5)
+        loaders, failed = {}, {s: frozen[self.active[s]] for s in self.keys if self.active[s] in frozen}
+        for s, f in asked.items():
             try:
-                loaders[s] = self.loader_ref(self.active[s]).restore(job.gen, snap[1], snap[2],
-                                                                     timeout=self.timeout * 4).result(self.timeout * 4 + 5)
-            except FAILURES as e:         # it failed too: a new one on a spare
-                t1, old, name = time.perf_counter(), self.active[s], self._new_loader(s)
-                loaders[s] = self.loader_ref(name).restore(job.gen, snap[1], snap[2], timeout=self.timeout * 4).result(
-                    self.timeout * 4 + 5)
-                self.active[s] = name
-                self.replaced[loader_actor(s)] += 1
-                self._event("loader", old, version, t1, "restored on a spare process with the Planner", e)
+                loaders[s] = f.result(timeout=1)
+            except FAILURES + (cf.TimeoutError,) as e:
+                failed[s] = e
+        started = {}
+        for s, e in failed.items():       # it failed too: a new one on a spare
+            started[s] = (time.perf_counter(), self.active[s], self._new_loader(s), e)
+        again = {s: restore(name, s) for s, (_, _, name, _) in started.items()}
+        for s, (t1, old, name, e) in started.items():
+            loaders[s] = again[s].result(self.timeout * 4 + 5)
+            self.active[s] = name
+            self.replaced[loader_actor(s)] += 1
+            self._event("loader", old, version, t1, "restored on a spare process with the Planner", e)
+        for c, name in enumerate(list(self.constructor_names)):
+            if name in frozen:            # replaced now, not after the new generation's call to it times out
+                t1 = time.perf_counter()
+                self._start_constructor(c, version, frozen[name])
+                self._event("constructor", name, version, t1, "replaced on a spare", frozen[name])
         job.new_generation({JobState.PLANNER: ck["planner"], JobState.LOADERS: job.parts.merge_states(loaders),
                             JobState.FEEDBACK: ck["feedback"]})
         self._event("planner", PLANNER_KEY, version, t0, f"restored from the checkpoint of step {version}", None)
+
+    def _unanswering(self, actors: list[str]) -> dict[str, BaseException]:
+        """Which of ``actors`` live in a process that answers no ping within the call timeout (frozen or
+        dead): actor -> the failure."""
+        futs = {a: self.peers.ping(a, self.timeout) for a in actors}
+        cf.wait(list(futs.values()), timeout=self.timeout + 5)
+        out = {}
+        for a, f in futs.items():
+            try:
+                f.result(timeout=0)
+            except FAILURES as e:
+                out[a] = e
+            except cf.TimeoutError:
+                out[a] = CallTimeout(f"{a}'s process did not answer a ping within {self.timeout:g} s", a)
+        return out
 
     # -- what happened, who serves where -------------------------------------------------------------
     def _event(self, kind: str, role: str, step: int, t0: float, how: str, err: BaseException | None) -> None:

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+import os
 
 import torch.distributed.rpc as rpc
 
-from ._rpc_worker import _SEQ, _SEQ_LOCK, Failure, _actor, _closed_job, _create, _invoke, lane_deadlines, local_deadlines
+from ._rpc_worker import (_SEQ, _SEQ_LOCK, Failure, _actor, _closed_job, _create, _invoke, _pid, lane_deadlines,
+                          local_deadlines)
 from .lane import route
 from .rpc_agent import self_name
 from .transport import ActorDied, ActorError, CallTimeout, settle
 from .wire import discard, pack, unpack
 
-__all__ = ["call_actor", "map_error", "RpcPeers"]
+__all__ = ["call_actor", "map_error", "ping_worker", "RpcPeers"]
 
 _DEAD_PEER = ("eof", "econnrefused", "connection reset", "connection refused", "broken pipe", "shutdown")
 _TIMEOUT = ("timeout", "timed out", "ran for more than")
@@ -107,6 +109,31 @@ def call_actor(worker: str, actor: str, method: str, args, kwargs, timeout: floa
     return out
 
 
+def ping_worker(worker: str, actor: str, timeout: float, on_error=map_error) -> cf.Future:
+    """Whether the process hosting ``actor`` (RPC worker ``worker``) answers at all: a future of its pid, or
+    of :class:`CallTimeout` / :class:`ActorDied` naming ``actor``. Answered by that process's RPC threads,
+    never queued behind its actors' calls: a process whose actors are busy (a Planner replacing a loader)
+    answers at once, a frozen (SIGSTOP) or dead one does not. Not over a lane: its reader is one thread."""
+    out: cf.Future = cf.Future()
+    if worker == self_name():
+        settle(out, os.getpid())
+        return out
+    try:
+        fut = rpc.rpc_async(worker, _pid, timeout=timeout)
+    except BaseException as e:             # noqa: BLE001
+        settle(out, exc=on_error(e, actor, "ping", timeout))
+        return out
+
+    def done(f):
+        try:
+            settle(out, int(f.value()))
+        except BaseException as e:         # noqa: BLE001
+            settle(out, exc=on_error(e, actor, "ping", timeout))
+
+    fut.add_done_callback(done)
+    return out
+
+
 class RpcPeers:
     """Calls from any process of the group to the actors of job ``ns`` by name (``placement``: actor
     -> RPC worker name).
@@ -119,6 +146,10 @@ class RpcPeers:
 
     def call(self, name: str, method: str, *args, timeout: float, direct: bool = False, **kwargs) -> cf.Future:
         return call_actor(self.placement[name], name, method, args, kwargs, timeout, ns=self.ns, direct=direct)
+
+    def ping(self, name: str, timeout: float) -> cf.Future:
+        """Whether actor ``name``'s process answers (see :func:`ping_worker`)."""
+        return ping_worker(self.placement[name], name, timeout)
 
     def spawn(self, name: str, factory, args: tuple, worker: str, timeout: float = 60.0) -> None:
         """Start a (replacement) actor on RPC worker ``worker`` and remember where it lives."""

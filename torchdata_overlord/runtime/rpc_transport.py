@@ -204,6 +204,18 @@ class RpcTransport(Transport):
         return C.call_actor(W.worker_name(i), name, method, args, kwargs, timeout, on_error=self._map_error,
                             ns=self.ns)
 
+    def ping(self, name: str, timeout: float) -> cf.Future:
+        timeout = check_timeout(timeout)
+        with self._lock:
+            if self._closed:
+                raise TransportClosed(f"cannot ping {name}: the transport is stopped")
+            i = self._placement[name]
+        if self._procs and not self._procs[i].is_alive():
+            out: cf.Future = cf.Future()
+            settle(out, exc=self._died(name, "ping"))
+            return out
+        return C.ping_worker(W.worker_name(i), name, timeout, on_error=self._map_error)
+
     def is_alive(self, name: str) -> bool:
         i = self._placement.get(name)
         return i is not None and not self._closed and (not self._procs or self._procs[i].is_alive())

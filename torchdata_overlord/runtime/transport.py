@@ -83,6 +83,13 @@ class Transport(ABC):
         """Call ``actor.method(*args, **kwargs)``; the future's result is the return value (``direct``:
         see the module docstring)."""
 
+    def ping(self, name: str, timeout: float) -> cf.Future:
+        """Whether the process hosting actor ``name`` answers at all, however busy the actor is: a future
+        that fails with :class:`CallTimeout` (frozen) or :class:`ActorDied` (gone). One process: it answers."""
+        out: cf.Future = cf.Future()
+        settle(out, None)
+        return out
+
     @abstractmethod
     def is_alive(self, name: str) -> bool:
         """Whether actor ``name`` exists and its host is alive."""

@@ -9,8 +9,9 @@ CONFIG: corpus root, number of sources (2: web+caps; 10: partitions of the four 
 steps, prefetch, trainer work per step (matmuls, not sleeps), spares, call timeout, ``n_workers`` or
 ``placement`` (a :class:`~torchdata_overlord.scaling.Placement`'s ``to_dict()``; neither: the default,
 ``"auto"``), and ``faults``:
-``[{"step": k, "kill"|"freeze"|"corrupt": [roles or checkpoint keys], "spare": [spare indices]}]``
-applied right after the trainer consumed step k (step -1: before the first step, the roles up) (``skip_missing``: a kill of a role that serves
+``[{"step": k, "kill"|"freeze"|"corrupt": [roles or checkpoint keys], "spare": [spare indices], "thaw": true}]``
+applied right after the trainer consumed step k (step -1: before the first step, the roles up) (``thaw``: every process
+frozen so far continues; ``skip_missing``: a kill of a role that serves
 nowhere at that moment is reported, not an error); ``roles_at[k]`` is every role's pid just before.
 """
 
@@ -149,6 +150,10 @@ def main(cfg_path: str, out_path: str) -> None:
                                               "version": faults.corrupt_newest(cfg["ckpt"], key)})
                     if f.get("kill") or f.get("spare"):
                         out["events"] += kill(loader, step, f.get("kill", []), f.get("spare", []), cfg.get("skip_missing"))
+                    if f.get("thaw"):            # the frozen processes wake up (their roles replaced by now)
+                        for pid in frozen:
+                            faults.thaw(pid)
+                            out["events"].append({"step": step, "thawed": pid})
                     for role in f.get("freeze", []):
                         pid = faults.freeze_role(loader, role)
                         frozen.append(pid)
