@@ -271,9 +271,11 @@ def test_a_dead_spare_is_skipped_when_the_planner_is_replaced(corpus, tmp_path, 
 @pytest.mark.slow
 def test_replacements_spread_over_spares_and_shadows_come_back(corpus, tmp_path):
     """Issue 11 item 5. With two role processes, the Planner's process also hosts a loader, a
-    constructor and the other source's shadow: all four are replaced, each on its own spare, the
-    shadow re-created; a second kill of the other role process spreads its three roles the same way.
-    Item 11: roles keep their names, with their current pid and recovery count."""
+    constructor and the other source's shadow: the Planner and the constructor are replaced, each on its
+    own spare, the loader by its live shadow (in the other role process), and the lost shadow re-created on
+    a spare; a second kill of the other role process (now both loaders' home) has the shadows take over
+    again and spreads the rest the same way. Item 11: roles keep their names, with their current pid and
+    recovery count."""
     steps = 30
     rep = run(corpus, tmp_path, steps=steps, spares=4, prefetch=3, n_workers=2,
               faults=[{"step": 8, "kill": ["planner"]}, {"step": 18, "kill": ["loader:web"]}])
@@ -288,8 +290,8 @@ def test_replacements_spread_over_spares_and_shadows_come_back(corpus, tmp_path)
     load = {pid: list(roles.values()).count(pid) for pid in rep["spares"]}
     assert set(roles.values()) <= set(load) and max(load.values()) - min(load.values()) <= 1, (roles, load)
     counts = {r: v["recoveries"] for r, v in rep["role_recovery"].items()}
-    assert counts == {"planner": 1, "loader:caps": 1, "constructor:1": 1, "shadow:web": 2,
-                      "loader:web": 1, "constructor:0": 1, "shadow:caps": 1}, rep["role_recovery"]
+    assert counts == {"planner": 1, "loader:caps": 2, "constructor:1": 1, "shadow:web": 2,
+                      "loader:web": 1, "constructor:0": 1, "shadow:caps": 2}, rep["role_recovery"]
     assert all(rep["role_recovery"][r]["pid"] == pid for r, pid in roles.items())
 
 
@@ -403,3 +405,17 @@ def test_stats_keep_role_names_after_recoveries(corpus, tmp_path):
     finally:
         job.close()
         t.stop()
+
+
+@pytest.mark.slow
+def test_a_planner_replaced_after_a_loader_promotes_live_shadows_before_taking_spares(corpus, tmp_path):
+    """A loader killed (its shadow promoted), then the Planner, with one spare: the new Planner finds the
+    loaders of the Planner's process lost with it and promotes their live shadows, restored from the store,
+    before it takes a spare for any. It restored every lost loader on a spare, so the second one found the
+    only spare taken (RoleLost) although its shadow was alive (a user trial)."""
+    steps = 14
+    rep = run(corpus, tmp_path, steps=steps, spares=1, n_workers=2, prefetch=2,
+              faults=[{"step": 3, "kill": ["loader:web"]}, {"step": 7, "kill": ["planner"]}])
+    assert rep["error"] is None, rep["error"]
+    assert rep["digests"] == reference(corpus, 2, steps)
+    assert any("shadow" in h and "restored from the checkpoint" in h for h in hows(rep)), hows(rep)

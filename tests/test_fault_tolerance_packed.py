@@ -53,9 +53,10 @@ def recovery_times(rep) -> str:
 @pytest.mark.parametrize("shadows", [False, True], ids=["no-shadows", "shadows"])
 def test_killing_the_default_placements_one_role_process_recovers_every_actor_it_held(corpus, tmp_path, shadows):
     """The default placement (no n_workers) packs the Planner, both loaders and both constructors in
-    one process here; SIGKILL it mid-run: each is replaced on a spare and the stream is the
-    uninterrupted run's. With shadows they sit in a standby process of their own, never beside their
-    primaries, and survive."""
+    one process here; SIGKILL it mid-run: the stream is the uninterrupted run's. Without shadows each
+    role is replaced on a spare; with shadows (in a standby process of their own, never beside their
+    primaries) the new Planner has them take over the loaders, restored from the store, and the other
+    roles go to spares."""
     steps = 24
     rep = run(corpus, tmp_path, steps=steps, prefetch=2, spares=3, shadows=shadows, snapshot_every=3,
               faults=[{"step": 8, "kill": ["loader:web"]}])
@@ -71,7 +72,12 @@ def test_killing_the_default_placements_one_role_process_recovers_every_actor_it
         shadows_apart(rep["roles"])
     after = rep["roles"]
     assert pid not in after.values()
-    assert {after[r] for r in ACTIVE} <= set(rep["spares"]), (after, rep["spares"])   # all on spares now
+    loaders = {"loader:web", "loader:caps"}
+    on_spares = ACTIVE - loaders if shadows else ACTIVE
+    assert {after[r] for r in on_spares} <= set(rep["spares"]), (after, rep["spares"])
+    if shadows:                                                 # the standby process serves them now
+        assert {after[r] for r in loaders} == {before["shadow:web"]} == {before["shadow:caps"]}, (before, after)
+        assert all("its shadow took over" in r["how"] for r in rep["recoveries"] if r["kind"] == "loader")
     assert {r["kind"] for r in rep["recoveries"]} >= {"planner", "loader"}
     replaced = {r: v["recoveries"] for r, v in rep["role_recovery"].items()}
     assert all(replaced[r] >= 1 for r in ACTIVE), replaced

@@ -19,7 +19,8 @@ position, :meth:`~.planner_actor.PlannerActor.rewind` and :meth:`~.planner_actor
   so the stream is the same;
 * a replacement Planner (started by the leader client when this one fails) restores itself from
   the store with :meth:`Recovery.recover`, then rewinds the same way; the roles whose process answers
-  no ping (frozen with the old Planner) are replaced at once, the others restored, all together.
+  no ping (frozen with the old Planner) are replaced at once, the others restored, all together (a lost
+  loader by its live shadow, restored the same way, before any spare is taken).
 
 A failure nothing can replace (no shadow, no spare) ends the stream with :class:`~.fault_policy.RoleLost`, which
 names the role and the step: never a silent skip.
@@ -221,28 +222,9 @@ class Recovery:
         # the predecessor may have been frozen, not killed, and the roles of its process with it: a ping (answered
         # whatever the role is busy with) finds them within one call timeout, all at once, instead of each
         # restore waiting out its own, longer, timeout in turn (the replay's)
-        frozen = self._unanswering(list(self.active.values()) + list(self.constructor_names))
-
-        def restore(name: str, s: str) -> cf.Future:
-            return self.loader_ref(name).restore(job.gen, snaps[s][1], snaps[s][2], timeout=self.timeout * 4)
-
-        asked = {s: restore(self.active[s], s) for s in self.keys if self.active[s] not in frozen}
-        cf.wait(list(asked.values()), timeout=self.timeout * 4 + 5)
-        loaders, failed = {}, {s: frozen[self.active[s]] for s in self.keys if self.active[s] in frozen}
-        for s, f in asked.items():
-            try:
-                loaders[s] = f.result(timeout=1)
-            except FAILURES + (cf.TimeoutError,) as e:
-                failed[s] = e
-        started = {}
-        for s, e in failed.items():       # it failed too: a new one on a spare
-            started[s] = (time.perf_counter(), self.active[s], self._new_loader(s), e)
-        again = {s: restore(name, s) for s, (_, _, name, _) in started.items()}
-        for s, (t1, old, name, e) in started.items():
-            loaders[s] = again[s].result(self.timeout * 4 + 5)
-            self.active[s] = name
-            self.replaced[loader_actor(s)] += 1
-            self._event("loader", old, version, t1, "restored on a spare process with the Planner", e)
+        shadows = [n for n in self.shadows.names.values() if n is not None]
+        frozen = self._unanswering(list(self.active.values()) + list(self.constructor_names) + shadows)
+        loaders = self._restore_loaders(version, snaps, frozen)
         for c, name in enumerate(list(self.constructor_names)):
             if name in frozen:            # replaced now, not after the new generation's call to it times out
                 t1 = time.perf_counter()
@@ -251,6 +233,48 @@ class Recovery:
         job.new_generation({JobState.PLANNER: ck["planner"], JobState.LOADERS: job.parts.merge_states(loaders),
                             JobState.FEEDBACK: ck["feedback"]})
         self._event("planner", PLANNER_KEY, version, t0, f"restored from the checkpoint of step {version}", None)
+
+    def _restore_loaders(self, version: int, snaps: dict, frozen: dict) -> dict:
+        """Every loader key's state at ``version``, each loader restored from its snapshot and the consumption
+        log since (``snaps``): the serving loader where its process answers (not in ``frozen``); for one lost,
+        its live shadow, restored the same way; else a new loader on a spare. Each round's restores run at once."""
+        gen = self.job.gen
+
+        def restore_all(names: dict[str, str]) -> tuple[dict, dict]:
+            asked = {s: self.loader_ref(n).restore(gen, snaps[s][1], snaps[s][2], timeout=self.timeout * 4)
+                     for s, n in names.items()}
+            cf.wait(list(asked.values()), timeout=self.timeout * 4 + 5)
+            done, lost = {}, {}
+            for s, f in asked.items():
+                try:
+                    done[s] = f.result(timeout=1)
+                except FAILURES + (cf.TimeoutError,) as e:
+                    lost[s] = e
+            return done, lost
+
+        loaders, failed = restore_all({s: self.active[s] for s in self.keys if self.active[s] not in frozen})
+        failed.update({s: frozen[self.active[s]] for s in self.keys if self.active[s] in frozen})
+        t1 = time.perf_counter()
+        twins = {s: self.shadows.names.get(s) for s in failed}
+        promoted, gone = restore_all({s: n for s, n in twins.items() if n is not None and n not in frozen})
+        for s in set(gone) | {s for s, n in twins.items() if n in frozen}:
+            self.shadows.names[s] = None                # lost too: a new one is started at the next step
+        for s, state in promoted.items():               # no spare needed
+            old, loaders[s] = self.active[s], state
+            self.active[s], self.shadows.names[s] = twins[s], None
+            self.replaced[loader_actor(s)] += 1
+            self._event("loader", old, version, t1, "its shadow took over, restored from the checkpoint with the "
+                        "Planner", failed.pop(s))
+        started = {s: (time.perf_counter(), self.active[s], self._new_loader(s), e) for s, e in failed.items()}
+        restored, lost = restore_all({s: name for s, (_, _, name, _) in started.items()})
+        if lost:
+            s, e = next(iter(lost.items()))
+            raise RoleLost(f"source {s!r}: its loader could not be restored on a spare process with the Planner: {e}")
+        for s, (t, old, name, e) in started.items():
+            loaders[s], self.active[s] = restored[s], name
+            self.replaced[loader_actor(s)] += 1
+            self._event("loader", old, version, t, "restored on a spare process with the Planner", e)
+        return loaders
 
     def _unanswering(self, actors: list[str]) -> dict[str, BaseException]:
         """Which of ``actors`` live in a process that answers no ping within the call timeout (frozen or
