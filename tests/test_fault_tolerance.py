@@ -165,6 +165,24 @@ def test_a_frozen_planner_is_replaced_within_a_few_call_timeouts(corpus, tmp_pat
     bound = 4 * t + t + t + 15
     print("longest wait", max(rep["waits_ms"]) / 1000, "s; recoveries:", [(r["kind"], r["seconds"]) for r in rep["recoveries"]])
     assert max(rep["waits_ms"]) / 1000 < bound < rt, (max(rep["waits_ms"]), rep["recoveries"])
+    # the frozen process's shadow (of the other source) was replaced too, not left to serve after the thaw
+    frozen = rep["roles_at"]["6"]["planner"]
+    assert frozen not in rep["roles"].values(), (frozen, rep["roles"])
+
+
+@pytest.mark.slow
+def test_stats_keep_the_recoveries_from_before_a_planner_replacement(corpus, tmp_path):
+    """A loader killed, then the Planner, then the new Planner: stats() lists all three recoveries (the
+    history was the current Planner's memory, so each replacement forgot the ones before it)."""
+    steps = 16
+    rep = run(corpus, tmp_path, steps=steps, prefetch=2, spares=3, n_workers=one_per_role(2),
+              faults=[{"step": 4, "kill": ["loader:web"]}, {"step": 8, "kill": ["planner"]},
+                      {"step": 12, "kill": ["planner"]}])
+    assert rep["error"] is None, rep["error"]
+    assert rep["digests"] == reference(corpus, 2, steps)
+    assert [(r["kind"], r["role"]) for r in rep["recoveries"]] == [("loader", "loader:web"), ("planner", "planner"),
+                                                                   ("planner", "planner")], rep["recoveries"]
+    assert rep["role_recovery"]["planner"]["recoveries"] == 2
 
 
 @pytest.mark.slow

@@ -209,6 +209,7 @@ class Recovery:
         # back to where every client was (the newest checkpoint's released position), or before
         newest, version, ck = self.checkpoints.restore_point()
         self.checkpoints.restore_roles(newest["roles"])
+        self.events[:0] = newest.get("events", [])      # the recoveries before this one (stats() reports them)
         job.gen = int(newest["gen"])
         job.prefetch = newest.get("prefetch")
         self.replaced[PLANNER_KEY] += 1
@@ -224,6 +225,9 @@ class Recovery:
         # restore waiting out its own, longer, timeout in turn (the replay's)
         shadows = [n for n in self.shadows.names.values() if n is not None]
         frozen = self._unanswering(list(self.active.values()) + list(self.constructor_names) + shadows)
+        for s, name in self.shadows.names.items():
+            if name in frozen:                          # frozen (or gone) with it: a new one at the next step
+                self.shadows.names[s] = None
         loaders = self._restore_loaders(version, snaps, frozen)
         for c, name in enumerate(list(self.constructor_names)):
             if name in frozen:            # replaced now, not after the new generation's call to it times out
@@ -256,8 +260,8 @@ class Recovery:
         failed.update({s: frozen[self.active[s]] for s in self.keys if self.active[s] in frozen})
         t1 = time.perf_counter()
         twins = {s: self.shadows.names.get(s) for s in failed}
-        promoted, gone = restore_all({s: n for s, n in twins.items() if n is not None and n not in frozen})
-        for s in set(gone) | {s for s, n in twins.items() if n in frozen}:
+        promoted, gone = restore_all({s: n for s, n in twins.items() if n is not None})
+        for s in gone:
             self.shadows.names[s] = None                # lost too: a new one is started at the next step
         for s, state in promoted.items():               # no spare needed
             old, loaders[s] = self.active[s], state

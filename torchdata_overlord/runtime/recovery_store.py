@@ -43,11 +43,12 @@ class RecoveryStore:
     def checkpoint(self, version: int, state: dict, consumed: Mapping[str, list], applied: list = ()) -> None:
         """Step ``version``'s checkpoint: the Planner, the unplanned feedback, the feedback the plan of step
         ``version - 1`` used (``applied``) and the leader's prefetch, what the step took from each source, where
-        every client is and who serves where; then the store keeps what a replay needs."""
+        every client is, who serves where and the recoveries so far; then the store keeps what a replay needs."""
         if self.store is None:
             return
         self.store.put(PLANNER_KEY, version, {"planner": state[JobState.PLANNER], "feedback": state[JobState.FEEDBACK],
                                               "applied": [list(e) for e in applied], "prefetch": self.r.job.prefetch,
+                                              "events": list(self.r.events),
                                               "consumed": {s: list(consumed.get(s, [])) for s in self.r.sources},
                                               "released": self.r.job.releases.released, "gen": self.r.job.gen,
                                               "roles": self.roles()})
