@@ -211,8 +211,8 @@ def test_a_source_the_mixture_never_names_is_warned_about(corpus):
     import warnings
     from test_loader import make_sources
     strat = lambda g: g.mix(ol.Linear({"web": 1}, {"web": 1, "code": 0}, steps=4)).distribute("DP").plan()  # noqa: E731
-    with pytest.warns(UserWarning, match=r"sources \['long'\] are not in the strategy's mixture \(its schedules "
-                                         r"name \['code', 'web'\] at steps 0-15 .*\): they are never sampled"):
+    with pytest.warns(UserWarning, match=r"sources \['long'\] are not in the strategy's mixture \(its first schedule "
+                                         r"names \['code', 'web'\] at steps 0-15 .*\): they are never sampled"):
         ol.OverlordLoader(make_sources(corpus, names=("web", "code", "long")), strat, ol.ClientPlaceTree(dp=2),
                           rank=None, global_batch=4, seq_len=None).close()
     later = [lambda g: g.mix(_Later()).distribute("DP").plan(),

@@ -409,8 +409,8 @@ class OverlordLoader:
     def feedback(self, values: Mapping[str, float]) -> None:
         """Per-source feedback (e.g. loss) for dynamic schedules such as ``ol.Dynamic``.
 
-        Given after consuming step ``k``, it weighs the plan of step ``k + prefetch``, the first one
-        the prefetch thread cannot have built yet; so the stream depends only on the feedback
+        Given after consuming ``k`` steps (the batch of step ``k - 1``), it weighs the plan of step
+        ``k + prefetch``, the first one the prefetch thread cannot have built yet; so the stream depends only on the feedback
         sequence (and ``prefetch``), never on timing. Checkpoints keep feedback not yet planned.
         Where several trainer processes share one rpc job, the Planner takes rank 0's feedback (the
         group's leader); give every rank the same values (e.g. an all-reduced loss). With
@@ -473,7 +473,8 @@ class OverlordLoader:
     def load_state_dict(self, state: Mapping, strict: bool = True, sources_changed: str = "refuse") -> list[str]:
         """Check ``state`` as a whole and copy it; the next ``next()`` or ``iter()`` continues exactly
         after the step it describes (inside a running ``for`` loop too: its next item is the loaded
-        position's; feedback given before it counts as given after the loaded step). A state that is
+        position's; ``feedback()`` given between this call and that ``next()`` counts as given after the
+        loaded step, and what was given before this call goes with the old position). A state that is
         not one this configuration wrote, unmodified, is refused with a :class:`ConfigError` naming the
         first inconsistency. A state saved under another mesh,
         global batch, number of constructors or loader actors, or runtime continues here elastically
@@ -496,8 +497,9 @@ class OverlordLoader:
         source's state is its last snapshot plus a replay of the steps since, read again here
         (:mod:`~torchdata_overlord.runtime.store_state`); the trainer feedback given by ``step`` comes
         from the checkpoints of the plans that used it (a ``step`` within ``prefetch`` steps of the
-        store's last plan may lack some: the returned changes, also warned, say so). Returns every
-        change, in words."""
+        store's last plan may lack some: the returned changes, also warned, say so and what makes it
+        exact). The store keeps only the steps since each source's older of its two newest snapshots
+        (about the last one to two ``snapshot_every``). Returns every change, in words."""
         from .runtime.store_state import job_from_store
         cfg = self._job.cfg
         step, job, saved, changes = job_from_store(checkpoint_dir, {s.name: s for s in self._sources

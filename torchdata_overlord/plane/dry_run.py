@@ -6,8 +6,8 @@ Every source is given ``global_batch`` one-token samples without images: enough 
 Only :class:`~torchdata_overlord.errors.ConfigError` counts (a cost asking ``records.column()`` for a
 column no source reports is one); a strategy that fails otherwise for want of real data is left to
 its first real step. The probe context has no Planner, so no schedule's running state moves (see
-:mod:`.primitives.mix`). A source the strategy's schedules name at none of a range of steps (0-15,
-then powers of two to 2**24) is warned about: its loader would read for nothing.
+:mod:`.primitives.mix`). A source the strategy's first schedule names at none of a range of steps
+(0-15, then powers of two to 2**24) is warned about: its loader would read for nothing.
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ def check_strategy(strategy: Callable, mesh: ClientPlaceTree, sources: Sequence[
     named = _named(strategy, mesh, sources, global_batch, seed)
     unmixed = [name for name in sources if named is not None and name not in named]
     if unmixed:
-        warnings.warn(f"sources {unmixed} are not in the strategy's mixture (its schedules name {sorted(named)} at "
-                      f"steps 0-15 and at every power of two to 2**24): they are never sampled, and their loaders "
-                      f"read for nothing; give them a weight, or leave them out of the loader's sources", stacklevel=3)
+        warnings.warn(f"sources {unmixed} are not in the strategy's mixture (its first schedule names "
+                      f"{sorted(named)} at steps 0-15 and at every power of two to 2**24): they are never sampled, "
+                      f"and their loaders read for nothing; give them a weight, or leave them out of the loader's "
+                      f"sources", stacklevel=3)
 
 
 _PROBED_STEPS = (*range(16), *(2 ** k for k in range(4, 25)))

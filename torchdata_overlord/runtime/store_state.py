@@ -100,14 +100,18 @@ def _feedback_by(store: CheckpointStore, at: int, kept: list[int]) -> tuple[list
             feedback += [[s, dict(values)] for s, values in newest["feedback"] if s == t]
             unplanned.append(t)
     used = any(r["applied"] or r["feedback"] for r in records.values())
-    if unplanned and used:
-        # feedback given after consuming c steps reaches the Planner with the trainer's next request, the one
-        # for step c + prefetch: what the trainer gave after its last steps before it stopped never did
-        return feedback, [f"feedback: the plans of steps {unplanned} were not made before the job stopped, so feedback "
-                          f"the trainer gave for them (after consuming steps {[t - int(prefetch) for t in unplanned]}) "
-                          f"may be missing from the store, which has {sum(s in unplanned for s, _ in feedback)} "
-                          f"entries for them. For the exact stream, resume at step {kept[-1] - int(prefetch) - 1} or "
-                          f"earlier" + (", or give the feedback of the last step consumed again with feedback() right "
-                                        "after this call (it counts after the loaded step)"
-                                        if unplanned == [at + int(prefetch)] else "")]
+    # feedback given after consuming c steps (all of it, however many calls) reaches the Planner together, with the
+    # trainer's next request: a step the store heard of is complete; one it did not may have been lost with the job
+    unheard = [t for t in unplanned if not any(s == t for s, _ in feedback)]
+    if unheard and used:
+        p = int(prefetch)
+        exact = kept[-1] - p - 1
+        fixes = ([f"resume at step {exact} or earlier (the store keeps steps {kept[0]}..{kept[-1]})"]
+                 if exact >= kept[0] else []) + \
+                (["give the feedback of the last step consumed again with feedback() right after this call (it counts "
+                  "after the loaded step)"] if unheard == [at + p] else [])
+        return feedback, [f"feedback: the store has none for the plans of steps {unheard}, which were not made before "
+                          f"the job stopped: if the trainer gave feedback after consuming {[t - p for t in unheard]} "
+                          f"steps, it never reached the store" +
+                          (f". For the exact stream, {' or '.join(fixes)}" if fixes else "")]
     return feedback, []
