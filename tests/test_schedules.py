@@ -294,7 +294,7 @@ def test_a_schedule_the_strategy_builds_at_every_plan_runs_as_one_built_once(see
 
 
 class _Ema(ol.Schedule):
-    """A user's stateful schedule, written as ol.Schedule's docstring asks (no spec() or reset() of its own)."""
+    """A user's stateful schedule, written as ol.Schedule's docstring asks (no spec() of its own)."""
 
     def __init__(self):
         self.ema = {"a": 1.0, "b": 1.0, "c": 1.0}
@@ -317,7 +317,8 @@ def test_a_users_stateful_schedule_runs_the_same_built_once_or_anew_and_shared()
     """A Schedule subclass with running state in an attribute its state_dict() names: built anew at every plan it
     carries on as one built once (the default spec() leaves the running attribute out, so the new object is seen
     as the same schedule); a resume continues it; a second Planner sharing the object starts it as it was first
-    mixed, not as the first Planner left it (the base reset() is a no-op). All three used to diverge silently."""
+    mixed, not as the first Planner left it (the schedule has no way back of its own). All three used to diverge
+    silently."""
     rng = np.random.default_rng(5)
     batch, steps, mesh = 24, 10, ol.ClientPlaceTree(dp=2)
     feedback = [{n: float(rng.uniform(0, 3)) for n in NAMES[:3]} for _ in range(steps)]

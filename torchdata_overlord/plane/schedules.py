@@ -66,18 +66,14 @@ class Schedule:
     def load_state_dict(self, state: Mapping) -> None:
         pass
 
-    def reset(self) -> None:
-        """Back to the running state it was made with (a fresh Planner starts from it); stateful schedules
-        override this with ``state_dict``/``load_state_dict``."""
-
     def spec(self) -> dict:
         """The schedule's definition as plain values, not its running state: a checkpoint records it,
         so that resuming under another mixture is refused. By default the class and its JSON-able
         attributes but those :meth:`state_dict` names (``_ema`` or ``ema`` for a state key ``"ema"``); a
         schedule that keeps running state in attributes named otherwise overrides this."""
         running = set(self.state_dict())
-        return {"kind": type(self).__qualname__,
-                **{k.lstrip("_"): v for k, v in sorted(vars(self).items()) if _plain(v) and k.lstrip("_") not in running}}
+        return {"kind": type(self).__qualname__, **{k.lstrip("_"): v for k, v in sorted(vars(self).items())
+                                                   if _plain(v) and k.lstrip("_") not in running}}
 
     def __call__(self, step: int) -> dict[str, float]:
         return self.weights(step)
@@ -244,9 +240,6 @@ class Dynamic(Schedule):
 
     def state_dict(self) -> dict:
         return {"weights": dict(self._w), "updates": self.updates}
-
-    def reset(self) -> None:
-        self._w, self.updates = dict(self._initial), 0
 
     def load_state_dict(self, state: Mapping) -> None:
         w = dict(state["weights"])

@@ -41,25 +41,13 @@ def _rebuilt(schedule, planner, key: str) -> bool:
 
 
 def _first_seen(schedule) -> None:
-    """Keep ``schedule``'s running state as it was made (before any Planner moves it): what
-    :func:`_reset` goes back to for a Planner that never moved it, whatever the schedule's own ``reset``."""
+    """Keep ``schedule``'s running state as it was made (before any Planner moves it): where a Planner that
+    never moved it starts (an untracked schedule, not weakly referable, is never found moved by another)."""
     try:
         if schedule not in _MADE:
             _MADE[schedule] = copy.deepcopy(schedule.state_dict())
     except TypeError:
         pass
-
-
-def _reset(schedule) -> None:
-    """Back to the running state it had when first mixed (its own ``reset()`` where that is unknown)."""
-    try:
-        made = _MADE.get(schedule)
-    except TypeError:
-        made = None
-    if made is None:
-        schedule.reset()
-    else:
-        schedule.load_state_dict(copy.deepcopy(made))
 
 
 def _own(schedule, planner) -> None:
@@ -140,8 +128,8 @@ class Mix:
         primitive saved the step before, or a loaded state's)."""
         _first_seen(self.schedule)
         if saved is None:
-            if not _owned_by(self.schedule, ctx.planner):
-                _reset(self.schedule)        # another Planner moved it; this one starts it as it was made
+            if not _owned_by(self.schedule, ctx.planner):  # another Planner moved it: this one starts it as made
+                self.schedule.load_state_dict(copy.deepcopy(_MADE[self.schedule]))
         elif _rebuilt(self.schedule, ctx.planner, key) or not _owned_by(self.schedule, ctx.planner) \
                 or key in ctx.restoring:
             # the strategy made it anew (e.g. ol.Dynamic(...) inside the strategy function: the same schedule as
