@@ -10,12 +10,11 @@ its :class:`PlannerRegistry`.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import threading
 import time
 
 from ..errors import OverlordError
-from .fault_policy import FAILURES, RoleLost
+from .fault_policy import FAILURES, RoleLost, unanswering
 from .planner_actor import PlannerActor
 from .recovery_store import PLANNER_KEY
 from .refs import PLANNER, REGISTRY, LauncherRef, PlannerRef, RegistryRef
@@ -132,18 +131,12 @@ class ClientRecovery:
         ledger = getattr(self.transport, "ledger", None) if self._launched else None
         if ledger is None or not isinstance(err, (RoleLost,) + RECOVERABLE):
             return None
-        import torch.distributed.rpc as rpc
-
-        from .rpc_calls import map_error
-        try:
-            rpc.rpc_sync(ledger, os.getpid, timeout=2)
-            return None                     # it answers: the failure is another's
-        except BaseException as e:          # noqa: BLE001
-            if not isinstance(map_error(e, "launcher", "getpid", 2), ActorDied):
-                return None                 # slow, not gone: say what failed
-            gone = str(e).splitlines()[0][:120]
-        address = getattr(self.transport, "rendezvous", {}).get("address", "?")
-        self._stopped = (f"the launched job at {address} stopped: its launcher process died (unreachable: {gone}), and "
+        from .rpc_calls import ping_worker
+        gone = unanswering(lambda actor, t: ping_worker(ledger, actor, t), ["launcher"], 2).get("launcher")
+        if not isinstance(gone, ActorDied):
+            return None                     # it answers (the failure is another's), or is slow: say what failed
+        address, why = getattr(self.transport, "rendezvous", {}).get("address", "?"), str(gone).splitlines()[0][:120]
+        self._stopped = (f"the launched job at {address} stopped: its launcher process died (unreachable: {why}), and "
                          f"its role processes exit with it. Start the launcher again, then resume this trainer from "
                          f"its loader's state_dict() (load_state_dict) or, with a checkpoint_dir, from the fault-"
                          f"tolerance store (load_checkpoint_store)")
@@ -161,7 +154,7 @@ class ClientRecovery:
         elif actor is not None and actor.startswith("constructor") and not isinstance(err, JobReset):
             # the constructor may have waited for a frozen Planner (its advance), or share its process: asked
             # first, a frozen Planner would hold report_failure for all of recovery_timeout before it is replaced
-            frozen = self._planner_unanswering()
+            frozen = unanswering(self.transport.ping, [planner], self.timeout).get(planner)
             if frozen is not None:
                 with self._recovery_lock:
                     if self.planner_name == planner:
@@ -178,19 +171,6 @@ class ClientRecovery:
         self._gen, self._constructors = info["gen"], list(info["constructors"])
         self.faults["recoveries"].append({"step": step, "actor": actor, "how": how,
                                           "seconds": round(time.monotonic() - t0, 4)})
-
-    def _planner_unanswering(self) -> BaseException | None:
-        """None when the Planner's process answers a ping within the call timeout (however busy the Planner
-        is: a ping is not queued behind its calls); else the failure (CallTimeout: frozen, ActorDied: gone),
-        naming the Planner."""
-        try:
-            self.transport.ping(self.planner_name, self.timeout).result(self.timeout + 5)
-        except FAILURES as e:
-            return e
-        except cf.TimeoutError:
-            return CallTimeout(f"{self.planner_name}'s process did not answer a ping within {self.timeout:g} s",
-                               self.planner_name)
-        return None
 
     def _ask_planner(self, call, timeout: float | None = None):
         """``call(PlannerRef)``'s answer, surviving a lost Planner (replaced or learned, then asked again)."""

@@ -3,14 +3,33 @@ call, and the error when nothing can replace a role."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 from ..errors import ConfigError, OverlordError
 from .transport import ActorDied, CallTimeout
 
-__all__ = ["FaultPolicy", "RoleLost", "FAILURES"]
+__all__ = ["FaultPolicy", "RoleLost", "FAILURES", "unanswering"]
 
 FAILURES = (ActorDied, CallTimeout)      # a call that failed: the actor is dead (or frozen past its timeout)
+
+
+def unanswering(ping: Callable[[str, float], cf.Future], actors: Iterable[str], timeout: float) -> dict:
+    """Which of ``actors`` live in a process that answers no ``ping`` (a transport's or the peers'; answered by
+    any live process, however busy its actors) within ``timeout``, all asked at once: actor -> the failure
+    (:class:`CallTimeout`: frozen, :class:`ActorDied`: gone)."""
+    futs = {a: ping(a, timeout) for a in actors}
+    cf.wait(list(futs.values()), timeout=timeout + 5)
+    out = {}
+    for a, f in futs.items():
+        try:
+            f.result(timeout=0)
+        except FAILURES as e:
+            out[a] = e
+        except cf.TimeoutError:
+            out[a] = CallTimeout(f"{a}'s process did not answer a ping within {timeout:g} s", a)
+    return out
 
 
 class RoleLost(OverlordError, RuntimeError):

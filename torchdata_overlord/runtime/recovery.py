@@ -35,14 +35,13 @@ import time
 from typing import Callable, Iterable
 
 from .constructor_actor import ConstructorActor
-from .fault_policy import FAILURES, FaultPolicy, RoleLost
+from .fault_policy import FAILURES, FaultPolicy, RoleLost, unanswering
 from .loader_actor import LoaderActor
 from .recovery_store import PLANNER_KEY, RecoveryStore
 from .refs import ConstructorRef, LoaderRef, constructor_actor, loader_actor
 from .shadows import Shadows
 from .spares import Spares
 from .step import JobState
-from .transport import CallTimeout
 
 __all__ = ["Recovery"]
 
@@ -224,7 +223,8 @@ class Recovery:
         # whatever the role is busy with) finds them within one call timeout, all at once, instead of each
         # restore waiting out its own, longer, timeout in turn (the replay's)
         shadows = [n for n in self.shadows.names.values() if n is not None]
-        frozen = self._unanswering(list(self.active.values()) + list(self.constructor_names) + shadows)
+        frozen = unanswering(self.peers.ping, list(self.active.values()) + list(self.constructor_names) + shadows,
+                             self.timeout)
         for s, name in self.shadows.names.items():
             if name in frozen:                          # frozen (or gone) with it: a new one at the next step
                 self.shadows.names[s] = None
@@ -279,21 +279,6 @@ class Recovery:
             self.replaced[loader_actor(s)] += 1
             self._event("loader", old, version, t, "restored on a spare process with the Planner", e)
         return loaders
-
-    def _unanswering(self, actors: list[str]) -> dict[str, BaseException]:
-        """Which of ``actors`` live in a process that answers no ping within the call timeout (frozen or
-        dead): actor -> the failure."""
-        futs = {a: self.peers.ping(a, self.timeout) for a in actors}
-        cf.wait(list(futs.values()), timeout=self.timeout + 5)
-        out = {}
-        for a, f in futs.items():
-            try:
-                f.result(timeout=0)
-            except FAILURES as e:
-                out[a] = e
-            except cf.TimeoutError:
-                out[a] = CallTimeout(f"{a}'s process did not answer a ping within {self.timeout:g} s", a)
-        return out
 
     # -- what happened, who serves where -------------------------------------------------------------
     def _event(self, kind: str, role: str, step: int, t0: float, how: str, err: BaseException | None) -> None:
