@@ -298,7 +298,7 @@ class Launcher:
     def note_fork_server(self) -> None:
         """Say once that this node's multiprocessing fork server died (SIGKILL, the OOM killer: it holds torch).
         It only starts processes: the role workers it started serve on, each watched by its own pid."""
-        if not getattr(self, "fork_server_said", False) and any(getattr(p, "server_lost", False) for p in self.procs):
+        if not getattr(self, "fork_server_said", False) and any(p.fork_server_gone() for p in self.procs):
             self.fork_server_said = True
             log.warning("node %d: the multiprocessing fork server that started the role workers died; they serve on "
                         "(watched by their own pids), but their exit codes can no longer be read", self.a.node_rank)

@@ -121,6 +121,16 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
+def _exited(fd: int | None, pid: int) -> bool:
+    """Whether process ``pid`` exited: its pidfd ``fd`` is readable, else (no pidfd) ``/proc`` says so."""
+    if fd is not None:
+        try:
+            return bool(select.select([fd], [], [], 0)[0])
+        except (OSError, ValueError):
+            pass
+    return not process_running(pid)
+
+
 def _close_fd(fd: int) -> None:
     try:
         os.close(fd)
@@ -148,33 +158,13 @@ class WorkerProcess:
         self._server_fd = _pidfd(server_pid) if server_pid is not None else None
         if self._server_fd is not None:
             weakref.finalize(self, _close_fd, self._server_fd)
-        self.server_lost = False            # its fork server died (it can no longer tell how this worker exits)
 
-    def _running(self) -> bool:
-        if self._fd is not None:
-            try:
-                return not select.select([self._fd], [], [], 0)[0]
-            except (OSError, ValueError):
-                pass
-        return process_running(self.pid)
-
-    def _server_gone(self) -> bool:
-        if self._server_pid is None:
-            return False
-        if self._server_fd is not None:
-            try:
-                return bool(select.select([self._server_fd], [], [], 0)[0])
-            except (OSError, ValueError):
-                pass
-        return not process_running(self._server_pid)
+    def fork_server_gone(self) -> bool:
+        """Whether the fork server that started it died (it can no longer tell how this worker exits)."""
+        return self._server_pid is not None and _exited(self._server_fd, self._server_pid)
 
     def is_alive(self) -> bool:
-        mp_alive = self._proc.is_alive()
-        if self._running():
-            if not mp_alive:                # multiprocessing says exited (code 255): the fork server's socket closed
-                self.server_lost = True
-            return True
-        return False
+        return not _exited(self._fd, self.pid)
 
     @property
     def exitcode(self) -> int | None:
@@ -182,10 +172,7 @@ class WorkerProcess:
         if self.is_alive():
             return None
         code = self._proc.exitcode
-        if code == 255 and (self.server_lost or self._server_gone()):
-            self.server_lost = True
-            return None
-        return code
+        return None if code == 255 and self.fork_server_gone() else code
 
     def describe_exit(self) -> str:
         code = self.exitcode
@@ -203,15 +190,15 @@ class WorkerProcess:
                 select.select([self._fd], [], [], timeout)
             except (OSError, ValueError):
                 pass
-        while self._running() and (deadline is None or time.monotonic() < deadline):
+        while self.is_alive() and (deadline is None or time.monotonic() < deadline):
             time.sleep(0.02)
-        if not self._running():             # the fork server reports the code a moment after the exit
+        if not self.is_alive():             # the fork server reports the code a moment after the exit
             left = 1.0 if deadline is None else deadline - time.monotonic()
             self._proc.join(max(0.05, min(1.0, left)))
 
     def kill(self) -> None:
         """SIGKILL the process (by its pidfd where there is one: never another process that reused its pid)."""
-        if not self._running():
+        if not self.is_alive():
             return
         try:
             if self._fd is not None and hasattr(signal, "pidfd_send_signal"):
@@ -222,7 +209,7 @@ class WorkerProcess:
             pass
 
     def terminate(self) -> None:
-        if self._running():
+        if self.is_alive():
             try:
                 os.kill(self.pid, signal.SIGTERM)
             except OSError:

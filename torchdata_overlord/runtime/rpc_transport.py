@@ -191,6 +191,21 @@ class RpcTransport(Transport):
 
     def call(self, name: str, method: str, *args, timeout: float, direct: bool = False, **kwargs) -> cf.Future:
         timeout = check_timeout(timeout)
+        i, died = self._worker(name, method)
+        if died is not None:
+            return died
+        return C.call_actor(W.worker_name(i), name, method, args, kwargs, timeout, on_error=self._map_error,
+                            ns=self.ns)
+
+    def ping(self, name: str, timeout: float) -> cf.Future:
+        timeout = check_timeout(timeout)
+        i, died = self._worker(name, "ping")
+        if died is not None:
+            return died
+        return C.ping_worker(W.worker_name(i), name, timeout, on_error=self._map_error)
+
+    def _worker(self, name: str, method: str) -> tuple[int, cf.Future | None]:
+        """The worker index hosting actor ``name``, and a future failed with ActorDied where that process is gone."""
         with self._lock:
             if self._closed:
                 raise TransportClosed(f"cannot call {name}.{method}(): the transport is stopped")
@@ -200,21 +215,8 @@ class RpcTransport(Transport):
         if self._procs and not self._procs[i].is_alive():
             out: cf.Future = cf.Future()
             settle(out, exc=self._died(name, method))
-            return out
-        return C.call_actor(W.worker_name(i), name, method, args, kwargs, timeout, on_error=self._map_error,
-                            ns=self.ns)
-
-    def ping(self, name: str, timeout: float) -> cf.Future:
-        timeout = check_timeout(timeout)
-        with self._lock:
-            if self._closed:
-                raise TransportClosed(f"cannot ping {name}: the transport is stopped")
-            i = self._placement[name]
-        if self._procs and not self._procs[i].is_alive():
-            out: cf.Future = cf.Future()
-            settle(out, exc=self._died(name, "ping"))
-            return out
-        return C.ping_worker(W.worker_name(i), name, timeout, on_error=self._map_error)
+            return i, out
+        return i, None
 
     def is_alive(self, name: str) -> bool:
         i = self._placement.get(name)
