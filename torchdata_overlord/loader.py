@@ -410,8 +410,8 @@ class OverlordLoader:
         """Per-source feedback (e.g. loss) for dynamic schedules such as ``ol.Dynamic``.
 
         Given after consuming ``k`` steps (the batch of step ``k - 1``), it weighs the plan of step
-        ``k + prefetch``, the first one the prefetch thread cannot have built yet; so the stream depends only on the feedback
-        sequence (and ``prefetch``), never on timing. Checkpoints keep feedback not yet planned.
+        ``k + prefetch``, the first one the prefetch thread cannot have built yet; so the stream depends
+        only on the feedback sequence (and ``prefetch``), never on timing. Checkpoints keep feedback not yet planned.
         Where several trainer processes share one rpc job, the Planner takes rank 0's feedback (the
         group's leader); give every rank the same values (e.g. an all-reduced loss). With
         ``runtime="local"`` every trainer process plans for itself, so every rank must give the same
@@ -514,7 +514,8 @@ class OverlordLoader:
         return self._resume(step, job, saved, changes, "load_checkpoint_store")
 
     def _resume(self, step: int, job: dict, saved: dict, changes: list[str], how: str = "load_state_dict") -> list[str]:
-        """Continue at ``step`` with ``job`` (checked, saved under config ``saved``) at the next ``iter()``/``next()``."""
+        """Continue at ``step`` with ``job`` (checked, saved under config ``saved``) at the next ``iter()`` or
+        ``next()``."""
         if changes:
             warnings.warn(f"OverlordLoader.{how}: " + "; ".join(changes), stacklevel=3)
         job, elastic = adapt(job, step, saved, self._config, self._initial_job)

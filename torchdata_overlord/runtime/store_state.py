@@ -29,8 +29,8 @@ __all__ = ["job_from_store"]
 
 def job_from_store(root: str, sources: Mapping[str, object], buffer_size: Callable[[str], int],
                    step: int | None = None) -> tuple[int, dict, dict, list[str]]:
-    """``(step, job, saved config, changes in words)`` from the store at ``root``: the state after ``step`` steps (default:
-    the last step every trainer had reported consumed, which may be up to ``prefetch`` steps before what
+    """``(step, job, saved config, changes in words)`` from the store at ``root``: the state after ``step``
+    steps (default: the last step every trainer had reported consumed, which may be up to ``prefetch`` steps before what
     they really consumed: pass the step of your model checkpoint to resume exactly). ``sources`` (name ->
     Source) are replayed on copies; a source of the store not among them keeps its snapshot (it was
     removed: the resume drops it or refuses, see :mod:`~torchdata_overlord.elastic`)."""
