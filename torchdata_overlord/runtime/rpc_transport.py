@@ -118,6 +118,10 @@ class RpcTransport(Transport):
         ledger = self.ledger
         if ledger is None or ledger == W.client_name(self.client) or self._closed or not self.session.up:
             return
+        if self.session.jobs <= {self.ns}:
+            # the launcher may end the group as soon as it hears this: its pipes then close while this
+            # process's agent still runs, and TensorPipe would warn of the EOF (quiet until the session ends)
+            self.session.quiet()
         try:
             rpc.rpc_sync(ledger, L._client_left, args=(self.ns, self.client), timeout=timeout)
         except BaseException as e:           # noqa: BLE001 - the ledger may be gone: leave anyway
