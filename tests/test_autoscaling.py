@@ -151,3 +151,53 @@ def test_the_scaler_estimates_the_cores_of_its_last_partition(placement):
     scaler.observe(0, {"web": 1, "caps": 9}, {n: sp.actors for n, sp in placement.sources.items()})
     after = scaler.cores()["sources"]
     assert after["caps"] > before["sources"]["caps"] and after["web"] < before["sources"]["web"]
+
+
+def _over_split(placement, corpus) -> tuple[object, int]:
+    """``placement`` by hand, with one loader actor more for ``web`` than it has row groups; and that count."""
+    import dataclasses
+
+    from torchdata_overlord.scaling import SourcePlacement
+    units = next(s for s in make_sources(corpus) if s.name == "web").units
+    at = placement.sources["web"].processes[0]
+    web = SourcePlacement("web", units + 1, 0, (at,) * (units + 1), -1, "by hand")
+    return dataclasses.replace(placement, sources={**placement.sources, "web": web}, method="explicit"), units
+
+
+@pytest.mark.parametrize("runtime", ["local", "rpc"])
+def test_more_loader_actors_than_row_groups_is_refused_at_once(corpus, placement, runtime):
+    """A part without a row group searched every epoch for one forever (the local runtime spun at 100% CPU and
+    close() hung on it); under rpc the error came after a whole call timeout (60 s): closing the roles that
+    did start waited on a constructor that never had."""
+    import time
+
+    pl, units = _over_split(placement, corpus)
+    kw = _kwargs(corpus)
+    t0 = time.monotonic()
+    with pytest.raises(ol.ConfigError, match=rf"source 'web' has {units} row groups .* split over {units + 1} loader"):
+        with ol.OverlordLoader(make_sources(corpus), curriculum_strategy, make_mesh(), rank=None, runtime=runtime,
+                               global_batch=kw["global_batch"], seq_len=None, image_token_id=corpus.image_token_id,
+                               placement=pl, autoscale=False, timeout=120) as loader:
+            next(iter(loader))
+    assert time.monotonic() - t0 < 40          # well under the rpc call timeout (60 s) it used to wait out
+
+
+def test_bad_placements_and_autoscale_values_name_the_argument(corpus, placement):
+    import dataclasses
+
+    kw = _kwargs(corpus)
+
+    def make(**extra):
+        return ol.OverlordLoader(make_sources(corpus), curriculum_strategy, make_mesh(), rank=None,
+                                 global_batch=kw["global_batch"], seq_len=None, image_token_id=corpus.image_token_id,
+                                 **extra)
+
+    with pytest.raises(ol.ConfigError, match="placement must be 'auto', None or a .*Placement, got 'bogus'"):
+        make(placement="bogus")
+    with pytest.raises(ol.ConfigError, match="autoscale must be True, False or .*AutoScaler, got 'yes'"):
+        make(autoscale="yes")
+    lacking = dataclasses.replace(placement, sources={"web": placement.sources["web"]})
+    with pytest.raises(ol.ConfigError, match=r"does not place .* it lacks \['caps'\]"):
+        make(placement=lacking)
+    with pytest.raises(ol.ConfigError, match=r"AutoScaler max_actors must be None or an integer >= 1, got True"):
+        AutoScaler(max_actors=True)

@@ -234,3 +234,16 @@ def test_placement_is_immutable_and_bad_inputs_are_refused():
     zero = auto_partition({"a": profile("a", 1e-3), "b": profile("b", 1e-3)}, {}, cores=4, memory_bytes=None,
                           constructors=1, global_batch=8)
     assert any("weighed equally" in n for n in zero.notes)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(cores=float("inf")), "cores must be a finite number > 0, got inf"),
+    (dict(cores=True), "cores must be a finite number > 0, got True"),
+    (dict(weights=[1.0]), r"weights must map source names to weights .*got \[1.0\]"),
+])
+def test_auto_partition_names_a_bad_budget_or_weights(bad, match):
+    args = dict(cores=4, weights={"a": 1})
+    args.update(bad)
+    with pytest.raises(ConfigError, match=match):
+        auto_partition({"a": profile("a", 1e-3)}, args.pop("weights"), memory_bytes=None, constructors=1,
+                       global_batch=8, **args)

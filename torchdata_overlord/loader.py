@@ -175,6 +175,9 @@ class OverlordLoader:
         if not timeout > 0:
             raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
         seed = check_seed(seed)
+        if not isinstance(autoscale, bool) and type(autoscale).__name__ != "AutoScaler":
+            raise ConfigError(f"autoscale must be True, False or a torchdata_overlord.scaling.AutoScaler, got "
+                              f"{autoscale!r}")
         for name, value in (("pad_id", pad_id), ("image_token_id", image_token_id)):
             if not (value is None and name == "image_token_id") and (
                     isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):

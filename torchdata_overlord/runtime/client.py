@@ -301,6 +301,10 @@ class Job(ClientRecovery):
                 self.transport.mark_unhealthy()      # a replaced role may be frozen: no graceful wait
         except Exception:            # noqa: BLE001 - the Planner may be gone: close what we know
             actors = [self.planner_name] + [loader_actor(n) for n in self.names] + list(self._constructors)
+        started = getattr(self.transport, "started", None)
+        if not self._running and started is not None:
+            # the roles did not all start: a call to one never started would wait for it a whole call timeout
+            actors = [a for a in actors if a in started]
         futs = []
         for a in actors:
             try:

@@ -152,6 +152,17 @@ class RoleConfig:
             raise ConfigError(f"autoscale must be True, False or a torchdata_overlord.scaling.AutoScaler, got "
                               f"{self.autoscale!r}")
         if self.plan is not None:           # the placement's actors, and its workers where none were given
+            from ..scaling.placement import Placement
+            if not isinstance(self.plan, Placement):
+                raise ConfigError(f"placement must be 'auto', None or a torchdata_overlord.scaling.Placement, got "
+                                  f"{self.plan!r:.200}")
+            missing = [n for n in self.names if n not in self.plan.sources]
+            extra = [n for n in self.plan.sources if n not in self.names]
+            if missing or extra:
+                raise ConfigError(f"the placement does not place the job's sources {self.names}: "
+                                  + "; ".join(f"{what} {names}" for what, names in (("it lacks", missing),
+                                              ("it names unknown", extra)) if names)
+                                  + " (make it for these sources: auto_partition(...) or Placement(...))")
             self.actors = {n: sp.actors for n, sp in self.plan.sources.items()}
             if self.workers is None:
                 self.workers = {n: sp.workers for n, sp in self.plan.sources.items()}

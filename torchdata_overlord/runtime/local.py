@@ -35,8 +35,10 @@ class LocalJob(Job):
     def __init__(self, sources: Iterable, strategy: Callable, mesh: ClientPlaceTree, global_batch: int,
                  seq_len: int | None, seed: int = 0, buffer_size: int | Mapping[str, int] | None = None,
                  workers: int | Mapping[str, int] | None = None, image_token_id: int | None = None, pad_id: int = 0,
-                 ignore_index: int = -100, *, constructors: int = 1, timeout: float = 300.0,
+                 ignore_index: int = -100, *, constructors: int | None = None, timeout: float = 300.0,
                  actors: int | Mapping[str, int] = 1, placement=None, autoscale=True):
+        if constructors is None:            # one, or as many as a given placement places
+            constructors = len(getattr(placement, "constructors", ())) or 1
         cfg = RoleConfig(list(sources), strategy, mesh, global_batch, seq_len, seed, buffer_size, workers,
                          image_token_id, pad_id, ignore_index, constructors, 1, timeout, in_process=True, actors=actors,
                          plan=placement, autoscale=autoscale)

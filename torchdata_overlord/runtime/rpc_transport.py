@@ -187,6 +187,12 @@ class RpcTransport(Transport):
                     self._placement.pop(name, None)
             raise
 
+    @property
+    def started(self) -> frozenset[str]:
+        """The actors this process started (or is starting) that did not fail to start."""
+        with self._lock:
+            return frozenset(self._started)
+
     def place(self, placement: dict[str, int]) -> None:
         """Record where actors live before they start (so :meth:`peers` can name them to each other),
         or where another member started them (a joining client calls them too)."""

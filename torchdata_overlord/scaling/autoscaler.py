@@ -47,7 +47,8 @@ class AutoScaler:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"AutoScaler {name} must be an integer >= 1, got {v!r}")
-        if self.max_actors is not None and (not isinstance(self.max_actors, int) or self.max_actors < 1):
+        if self.max_actors is not None and (isinstance(self.max_actors, bool) or not isinstance(self.max_actors, int)
+                                            or self.max_actors < 1):
             raise ConfigError(f"AutoScaler max_actors must be None or an integer >= 1, got {self.max_actors!r}")
         self.history = collections.deque(maxlen=self.window)
 

@@ -245,6 +245,8 @@ def _reason(p: SourceProfile, g: int, level: list, actors: int, workers: int, wh
 
 def normalise_weights(names: list, weights: Mapping[str, float], notes: list) -> dict:
     """Mixing weights normalised to sum 1; a source without one weighs 0; all 0 -> equal weights."""
+    if not isinstance(weights, Mapping):
+        raise ConfigError(f"weights must map source names to weights ({{source: weight}}), got {weights!r:.200}")
     unknown = set(weights) - set(names)
     if unknown:
         raise ConfigError(f"weights name unknown sources {sorted(unknown)}; sources are {names}")
@@ -262,8 +264,8 @@ def _check(names, cores, memory_bytes, constructors, global_batch, buffer_size, 
            max_processes) -> None:
     if not names:
         raise ConfigError("auto_partition needs at least one source profile")
-    if not (isinstance(cores, (int, float)) and cores > 0):
-        raise ConfigError(f"cores must be a number > 0, got {cores!r}")
+    if isinstance(cores, bool) or not (isinstance(cores, (int, float)) and math.isfinite(cores) and cores > 0):
+        raise ConfigError(f"cores must be a finite number > 0, got {cores!r}")
     for label, v, low in (("constructors", constructors, 1), ("global_batch", global_batch, 1), ("w_src", w_src, 1),
                           ("w_actor", w_actor, 1), ("cluster_size", cluster_size, 1),
                           ("memory_bytes", memory_bytes, 0), ("buffer_size", buffer_size, 1),

@@ -115,6 +115,8 @@ class FileSource(ParquetSource):
     ConfigError with ``format='json'`` or ``'arrow'``); JSON Lines and Arrow IPC files are read as
     ever. It never changes a file's row count, so states are the same whichever is chosen."""
 
+    UNITS = "files"      # what a data-parallel loader actor reads whole (see :meth:`shard`)
+
     def __init__(self, name: str, paths, transform=None, columns=None, shuffle: bool = True, seed: int = 0,
                  epochs: int | None = None, on_error: str = "raise", filesystem: pafs.FileSystem | None = None,
                  skip_log_interval: float = 60.0, format: str | None = None, metadata_cache=None,

@@ -306,6 +306,8 @@ class ParquetSource:
     FORMAT = "Parquet"
     OPEN_THREADS = min(32, 4 * (os.cpu_count() or 1))    # threads reading footers on a non-local filesystem
 
+    UNITS = "row groups"      # what a data-parallel loader actor reads whole (see :meth:`shard`)
+
     def __init__(self, name: str, paths, transform: Callable[[dict], Any] | None = None, columns=None,
                  shuffle: bool = True, seed: int = 0, epochs: int | None = None, on_error: str = "raise",
                  filesystem: pafs.FileSystem | None = None, skip_log_interval: float = 60.0,
@@ -560,9 +562,14 @@ class ParquetSource:
     # ---- position ---------------------------------------------------------------------------
 
     def shard(self, index: int, count: int) -> None:
-        """Read only units ``index, index + count, ...`` of each epoch's order (a data-parallel part)."""
+        """Read only units ``index, index + count, ...`` of each epoch's order (a data-parallel part).
+        More parts than units is refused: a part without a unit would search every epoch for a row forever."""
         if not (isinstance(count, int) and isinstance(index, int) and 0 <= index < count):
             raise ConfigError(f"source {self.name!r}: shard({index!r}, {count!r}) needs 0 <= index < count")
+        if count > self.units:
+            raise ConfigError(f"source {self.name!r} has {self.units} {self.UNITS} with rows, the units loader actors split "
+                              f"it by: it cannot be split over {count} loader actors; give it at most {self.units} "
+                              f"(a Placement's SourcePlacement.actors)")
         self._part = (index, count)
 
     @property
