@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -162,6 +163,92 @@ def test_a_state_of_another_configuration_is_refused_naming_the_difference(corpu
             b.load_state_dict(state)
         with pytest.warns(UserWarning, match="transform"):
             b.load_state_dict(state, strict=False)
+
+
+def moved_copy(corpus, tmp_path):
+    """``(state after 2 steps at dp=2, the 3 steps after it, the corpus copied under another root)``."""
+    with make_loader(corpus, {"dp": 2}, 12) as a:
+        consume(a, 2)
+        state = a.state_dict()
+        expected = [x for _, x in zip(range(3), a)]
+    root = tmp_path / "ssd" / "corpus"
+    shutil.copytree(corpus.root, root)
+    copy = ol.sim.corpus.build_demo_corpus(root, scale="test", seed=0)
+    assert copy.root == root and copy.spm_model != corpus.spm_model
+    return state, expected, copy
+
+
+def test_a_state_resumes_over_a_copy_of_the_data_and_tokenizer_under_another_root(corpus, tmp_path, caplog):
+    """The files and the tokenizer model copied under another root (local SSD, another mount point): a state
+    loads with strict=True and the stream continues bit for bit as in place; the moves are logged. A model file
+    whose content differs is refused, saying so; a state saved before the config recorded the model's content
+    loads in place, and over the moved model needs strict=False, which the error says."""
+    state, expected, copy = moved_copy(corpus, tmp_path)
+    with make_loader(copy, {"dp": 2}, 12) as b:
+        with caplog.at_level("INFO", logger="torchdata_overlord"):
+            assert b.load_state_dict(state) == []
+        assert_identical([x for _, x in zip(range(3), b)], expected)
+    assert f"model file moved (the same content): {corpus.spm_model} -> {copy.spm_model}" in caplog.text
+    for s in TEXT:
+        assert f"source {s!r}: the state's 4 files moved from {corpus.root / s} to {copy.root / s}" in caplog.text
+    # a state of the previous release: no model digests in its config
+    previous = {**state, "config": {k: v for k, v in state["config"].items() if k != "transform_files"}}
+    with make_loader(corpus, {"dp": 2}, 12) as c:
+        c.load_state_dict(previous)
+        assert_identical([x for _, x in zip(range(3), c)], expected)
+    with make_loader(copy, {"dp": 2}, 12) as c:
+        with pytest.raises(ol.ConfigError, match=r"source 'code''s transform: saved .*; this state was saved by an "
+                                                 r"earlier release.*pass strict=False"):
+            c.load_state_dict(previous)
+        with pytest.warns(UserWarning, match="transform"):
+            c.load_state_dict(previous, strict=False)
+        assert_identical([x for _, x in zip(range(3), c)], expected)
+    Path(copy.spm_model).write_bytes(b"another model")
+    with make_loader(copy, {"dp": 2}, 12) as c:
+        with pytest.raises(ol.ConfigError, match=r"its model file differs: saved .*tok.* \(sha256 [0-9a-f]{12}\), "
+                                                 r"now " + copy.spm_model):
+            c.load_state_dict(state)
+
+
+_MOVED_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import torchdata_overlord as ol
+from test_elastic import make_loader
+from torchdata_overlord.sim.corpus import build_demo_corpus
+corpus, copy = (build_demo_corpus(r, scale="test", seed=0) for r in ({root!r}, {copy!r}))
+if __name__ == "__main__":
+    state = torch.load({state!r}, weights_only=False)
+    with make_loader(copy, {{"dp": 2}}, 12, runtime="rpc", n_workers=2) as b:
+        changes = b.load_state_dict(state)
+        tail = [x for _, x in zip(range(3), b)]
+    ft = ol.FaultTolerance(checkpoint_dir={store!r}, shadows=False, snapshot_every=3)
+    with make_loader(corpus, {{"dp": 2}}, 12, runtime="rpc", fault_tolerance=ft, n_workers=2) as a:
+        [x for _, x in zip(range(6), a)]
+    torch.save({{"changes": changes, "tail": tail}}, {out!r})
+"""
+
+
+@pytest.mark.slow
+def test_the_rpc_runtime_resumes_over_a_copy_under_another_root(corpus, tmp_path):
+    """runtime="rpc": a state taken over the corpus loads over its copy (data and tokenizer) under another
+    root, with strict=True, and continues bit for bit; a checkpoint store written over the corpus restores
+    (snapshot plus replay) over the copy too."""
+    state, expected, copy = moved_copy(corpus, tmp_path)
+    saved, out, store = tmp_path / "state.pt", tmp_path / "out.pt", tmp_path / "store"
+    torch.save(state, saved)
+    script = _MOVED_SCRIPT.format(tests=str(ROOT / "tests"), root=str(corpus.root), copy=str(copy.root),
+                                  state=str(saved), store=str(store), out=str(out))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(out, weights_only=False)
+    assert got["changes"] == []
+    assert_identical(got["tail"], expected)
+    with make_loader(corpus, {"dp": 2}, 12) as ref:
+        stream = [x for _, x in zip(range(6), ref)]
+    with make_loader(copy, {"dp": 2}, 12) as b:
+        assert b.load_checkpoint_store(str(store), step=4) == []      # the snapshot of step 3, a replay of step 4
+        assert_identical([x for _, x in zip(range(2), b)], stream[4:])
 
 
 def test_earliest_picks_the_state_with_the_fewest_steps(corpus):

@@ -159,6 +159,47 @@ def test_state_from_a_rewritten_file_is_refused(data, tmp_path):
         ParquetSource("s", data).load_state_dict(state)
 
 
+def test_a_state_resumes_exactly_over_the_same_files_copied_under_another_root(data, tmp_path, caplog):
+    """An elastic restart often reads a copy of the data (local SSD, another mount point or bucket prefix):
+    the same files by path relative to the file set's root, size and rows are the same file set. The stream
+    continues bit for bit as it does in place; the move is logged; a changed file in the copy is refused,
+    naming it."""
+    import shutil
+
+    src = ParquetSource("s", data, seed=3)
+    take(src, N + 9)                                     # second epoch, mid row group
+    state = src.state_dict()
+    assert state["fingerprint"]["files"][0][0] == str(tmp_path / "data" / "a.parquet")    # (absolute, as ever)
+    copy = tmp_path / "ssd" / "mnt" / "copy"
+    shutil.copytree(tmp_path / "data", copy)
+    moved = ParquetSource("s", str(copy / "*.parquet"), seed=3)
+    with caplog.at_level(logging.INFO, logger="torchdata_overlord"):
+        moved.load_state_dict(state)
+    assert f"moved from {tmp_path / 'data'} to {copy}" in caplog.text
+    assert take(moved, 2 * N) == take(src, 2 * N)
+    again = moved.state_dict()                           # the copy's state loads back over the original
+    back = ParquetSource("s", data, seed=3)
+    back.load_state_dict(again)
+    assert take(back, N) == take(src, N)
+    # file URIs and one file (its root: its folder)
+    one = ParquetSource("one", str(tmp_path / "data" / "c.parquet"), seed=1)
+    take(one, 11)
+    one_moved = ParquetSource("one", "file://" + str(copy / "c.parquet"), seed=1)
+    one_moved.load_state_dict(one.state_dict())
+    assert take(one_moved, 40) == take(one, 40)
+    # a changed file in the copy is refused, naming it
+    write(copy / "b.parquet", range(100, 109), 7)
+    with pytest.raises(ConfigError, match=r"file list differs.*state has \['b\.parquet', \d+, 7\], now "
+                                          r"\['b\.parquet', \d+, 9\].*under " + str(copy)):
+        ParquetSource("s", str(copy / "*.parquet"), seed=3).load_state_dict(state)
+    (copy / "b.parquet").unlink()                        # one file fewer
+    with pytest.raises(ConfigError, match=r"file list differs.*\(3 vs 2 files\).*b\.parquet"):
+        ParquetSource("s", str(copy / "*.parquet"), seed=3).load_state_dict(state)
+    shutil.copy(tmp_path / "data" / "b.parquet", copy / "bb.parquet")      # another name
+    with pytest.raises(ConfigError, match=r"state has \['b\.parquet'.*now \['bb\.parquet'"):
+        ParquetSource("s", str(copy / "*.parquet"), seed=3).load_state_dict(state)
+
+
 # ---- memory and projection ----------------------------------------------------------------------
 
 _MEASURE_BUFFER = """

@@ -475,6 +475,67 @@ def test_a_state_with_the_previous_releases_file_digest_still_loads(tmp_path):
         ParquetSource("s", str(d / "*.parquet"), metadata_cache=False).load_state_dict(state)
 
 
+def test_a_state_of_many_files_resumes_over_a_copy_under_another_root(tmp_path, caplog):
+    """Beyond FILES_LISTED files the digest also hashes each path relative to the file set's root: a state
+    loads over the same files copied under another root and continues bit for bit. A changed file in the copy
+    is refused; a state of the previous format (absolute paths only) still loads in place, and over the copy
+    is refused saying why."""
+    import shutil
+
+    from torchdata_overlord.sources.parquet import FILES_LISTED
+
+    d = tmp_path / "bucket" / "many"
+    for i in range(FILES_LISTED + 6):
+        (d / f"part{i % 3}").mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"x": list(range(i, i + 3 + i % 2))}), d / f"part{i % 3}" / f"f{i:03d}.parquet",
+                       row_group_size=2)
+    glob = str(d / "**" / "*.parquet")
+    src = ParquetSource("s", glob, metadata_cache=False)
+    take(src, 50)
+    state = src.state_dict()
+    files = state["fingerprint"]["files"]
+    assert files["root"] == str(d) and len(files["relative_sha256"]) == 64
+    copy = tmp_path / "ssd" / "copy"
+    shutil.copytree(d, copy)
+    moved = ParquetSource("s", str(copy / "**" / "*.parquet"), metadata_cache=False)
+    with caplog.at_level(logging.INFO, logger="torchdata_overlord"):
+        moved.load_state_dict(state)
+    assert f"{FILES_LISTED + 6} files moved from {d} to {copy}" in caplog.text
+    assert take(moved, 300) == take(src, 300)
+    previous = {**state, "fingerprint": {**state["fingerprint"], "files": {
+        k: v for k, v in files.items() if k in ("count", "rows", "sha256")}}}        # a state of the last release
+    again = ParquetSource("s", glob, metadata_cache=False)
+    again.load_state_dict(previous)
+    with pytest.raises(ConfigError, match=r"file set differs.*sha256 [0-9a-f]{12}; now .* sha256 [0-9a-f]{12}, "
+                                          r"over \[path, bytes, rows\].*earlier release records its files by "
+                                          r"absolute path only"):
+        ParquetSource("s", str(copy / "**" / "*.parquet"), metadata_cache=False).load_state_dict(previous)
+    pq.write_table(pa.table({"x": [7, 8, 9]}), copy / "part1" / "f004.parquet")       # 3 rows, not 4
+    with pytest.raises(ConfigError, match=rf"file set differs from the state's \({FILES_LISTED + 6} files of \d+ "
+                                          rf"rows under {d},.*now {FILES_LISTED + 6} files of \d+ rows under {copy}"):
+        ParquetSource("s", str(copy / "**" / "*.parquet"), metadata_cache=False).load_state_dict(state)
+
+
+def test_a_state_over_an_object_store_resumes_over_a_local_copy_and_another_prefix(data, tmp_path):
+    """A source's files on a non-local filesystem (an object store's stand-in: its paths carry a scheme, as
+    ``s3://bucket/prefix/...`` do) are the same file set as their copy on local disk or under another prefix."""
+    import shutil
+
+    fsspec = pytest.importorskip("fsspec")
+    remote = pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("file")))
+    src = ParquetSource("s", data, seed=2, filesystem=remote, metadata_cache=False)
+    assert src.files[0].startswith(remote.type_name + "://")
+    take(src, 17)
+    state = src.state_dict()
+    shutil.copytree(tmp_path / "data", tmp_path / "prefix2")
+    local = ParquetSource("s", str(tmp_path / "prefix2" / "*.parquet"), seed=2, metadata_cache=False)
+    local.load_state_dict(state)
+    other = ParquetSource("s", str(tmp_path / "prefix2" / "*.parquet"), seed=2, filesystem=remote, metadata_cache=False)
+    other.load_state_dict(local.state_dict())
+    expected = take(src, N)
+    assert take(local, N) == expected and take(other, N) == expected
+
+
 def test_profiling_shares_a_row_budget_over_many_sources(tmp_path):
     """A job's first start profiles every source: 128 rows each up to 32 sources, fewer beyond (at least
     ROWS_FLOOR), so 300 sources cost seconds, not half a minute."""

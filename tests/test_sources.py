@@ -79,6 +79,31 @@ def test_file_source_shuffles_by_seed_and_resumes_exactly_at_random_points(tmp_p
         assert [int(rec["id"]) for _, (_, rec) in zip(range(3 * FILES * ROWS - k), b)] == full[k:], k
 
 
+@pytest.mark.parametrize("fmt", ["jsonl.gz", "csv"])
+def test_file_source_resumes_over_its_files_copied_under_another_root(tmp_path, fmt):
+    """A FileSource's state refers to its files as a ParquetSource's does: the same files (relative path,
+    size, rows) under another root continue the stream exactly; a changed one is refused, naming it."""
+    import shutil
+
+    glob = write(tmp_path / "data", fmt)
+    a = ol.FileSource("t", glob, seed=5)
+    for _ in zip(range(ROWS + 4), a):
+        pass
+    state = torch.load(_saved(a.state_dict()), weights_only=True)
+    shutil.copytree(tmp_path / "data", tmp_path / "mnt" / "copy")
+    b = ol.FileSource("t", str(tmp_path / "mnt" / "copy" / "*"), seed=5)
+    b.load_state_dict(state)
+    assert [rec for _, (_, rec) in zip(range(3 * FILES * ROWS), b)] == \
+        [rec for _, (_, rec) in zip(range(3 * FILES * ROWS), a)]
+    name = f"part-1.{fmt}"
+    text = (tmp_path / "data" / name).read_bytes()
+    doubled = text + text if fmt == "csv" else gzip.compress(gzip.decompress(text) * 2)    # CSV: the header too
+    (tmp_path / "mnt" / "copy" / name).write_bytes(doubled)
+    with pytest.raises(ol.ConfigError, match=rf"file list differs.*state has \[{name!r}, \d+, {ROWS}\], now "
+                                             rf"\[{name!r}, \d+, {2 * ROWS + (fmt == 'csv')}\]"):
+        ol.FileSource("t", str(tmp_path / "mnt" / "copy" / "*"), seed=5).load_state_dict(state)
+
+
 def _resumed(make, k: int):
     """``(a, b)``: a source ``make()`` gives after reading ``k`` records, and a fresh one loaded with its state
     (saved by torch.save, read back with weights_only=True)."""

@@ -33,7 +33,7 @@ import torch
 from . import loader_state
 from .elastic import adapt, source_changes
 from .errors import ConfigError, OverlordError
-from .loader_state import transform_spec
+from .loader_state import transform_files, transform_spec
 from .plane.dry_run import check_strategy
 from .plane.mixture_probe import mixture_spec
 from .plane.place_tree import ClientPlaceTree
@@ -210,7 +210,8 @@ class OverlordLoader:
         self._config = {"sources": names, "seed": seed, "global_batch": global_batch, "seq_len": seq_len,
                         "mesh": mesh.to_dict(), "image_token_id": image_token_id, loader_state.PREFETCH: prefetch,
                         loader_state.MIXTURE: mixture_spec(strategy, mesh, names, global_batch, seed),
-                        loader_state.TRANSFORMS: {getattr(s, "name", s): transform_spec(s) for s in sources}}
+                        loader_state.TRANSFORMS: {getattr(s, "name", s): transform_spec(s) for s in sources},
+                        loader_state.TRANSFORM_FILES: {getattr(s, "name", s): transform_files(s) for s in sources}}
         self._consumed = {self.K_STEP: 0, self.K_JOB: self._job.start_state()}
         self._initial_job = copy.deepcopy(self._consumed[self.K_JOB])     # where a source added at a resume starts
         self._sources = sources
@@ -484,7 +485,9 @@ class OverlordLoader:
         (:mod:`~torchdata_overlord.elastic` says what carries over and what "consumed" means). A state
         saved with another source set needs ``sources_changed="allow"``; under another mixing strategy
         or another transform, ``strict=False``: it then continues from the saved position with this
-        loader's, and the changes are warned about. Returns every change, in words.
+        loader's, and the changes are warned about. The sources' files and a transform's model file
+        copied under another root are no change (the same relative paths, sizes and rows; the same
+        model content): the move is logged. Returns every change, in words.
         (``torch.distributed.checkpoint.load`` calls this with ``strict=True``; to opt in there,
         load into ``{"loader": loader.state_dict()}`` and pass that entry here.)"""
         self._check_open("load_state_dict()")

@@ -1,17 +1,20 @@
 """The OverlordLoader's checkpoint format: build it, and check a loaded one as a whole.
 
 A state is ``{"version", "config", "step", "job", "checksum"}``: the loader's configuration (with the
-strategy's mixture), the consumed step, the roles' state as one JSON string (so the dict's structure
-is the same for every loader of a configuration, as ``torch.distributed.checkpoint`` needs) and the
-SHA-256 of that string. :func:`unpack` refuses, with one :class:`ConfigError` naming the first
-inconsistency, anything that is not such a state of this configuration, before any role sees it.
+strategy's mixture, each transform described and the sha256 of its model file), the consumed step, the
+roles' state as one JSON string (so the dict's structure is the same for every loader of a configuration,
+as ``torch.distributed.checkpoint`` needs) and the SHA-256 of that string. :func:`unpack` refuses, with
+one :class:`ConfigError` naming the first inconsistency, anything that is not such a state of this
+configuration, before any role sees it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import os
 import re
 from typing import Mapping
 
@@ -19,13 +22,16 @@ from .elastic import ELASTIC, batch_bound, source_changes
 from .errors import ConfigError, a_type
 from .runtime.step import JobState
 
-__all__ = ["FORMAT", "pack", "unpack", "transform_spec"]
+__all__ = ["FORMAT", "pack", "unpack", "transform_spec", "transform_files"]
+
+log = logging.getLogger("torchdata_overlord")
 
 FORMAT = 2                    # 2: checksum of the job part, the strategy's mixture in the config
 VERSION, CONFIG, STEP, JOB, CHECKSUM = "version", "config", "step", "job", "checksum"
 MIXTURE = "mixture"           # the config entry a resume may change with strict=False
 PREFETCH = "prefetch"         # how far feedback leads its plan: a change is reported, not refused
 TRANSFORMS = "transforms"     # each source's transform, described: a change needs strict=False too
+TRANSFORM_FILES = "transform_files"   # each source's transform's model file, {path: sha256}: a moved copy is the same
 FIX = "load a state this loader's configuration wrote, unmodified"
 
 
@@ -36,6 +42,57 @@ def transform_spec(source) -> str | None:
     if t is None:
         return None
     return f"{type(t).__module__}.{type(t).__qualname__}: {re.sub(r' at 0x[0-9a-fA-F]+', '', repr(t))}"
+
+
+_sha256_of: dict[tuple, str] = {}      # (path, size, mtime_ns) -> sha256 of the file's content
+
+
+def transform_files(source) -> dict[str, str] | None:
+    """``{path: sha256}`` of the sentencepiece model a source's :class:`~torchdata_overlord.Tokenize` or
+    :class:`~torchdata_overlord.ImageText` transform loads (its ``model``), None for another transform (its
+    files, if any, are unknown here: a model of GBs is not hashed at every start). The config records it
+    beside :func:`transform_spec`, whose ``repr`` holds the path: a state then also loads when that file
+    moved (the same content at another path), as its sources' files may (see ``ParquetSource``)."""
+    from .transforms import ImageText, Tokenize
+
+    t = getattr(source, "transform", None)
+    path = t.model if isinstance(t, (Tokenize, ImageText)) else None
+    if not isinstance(path, str) or not os.path.isfile(path):
+        return None
+    st = os.stat(path)
+    key = (path, st.st_size, st.st_mtime_ns)
+    if key not in _sha256_of:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        _sha256_of[key] = h.hexdigest()
+    return {path: _sha256_of[key]}
+
+
+def _moved_model(saved: str, now: str, saved_files, now_files) -> tuple[list[tuple[str, str]], str]:
+    """Whether transform spec ``saved`` is ``now`` but for model files that moved (the same sha256 at another
+    path): ``([(old path, new path), ...], "")`` if so; else ``([], why)``, ``why`` saying what about the model
+    files differs when that is known (else "")."""
+    if not now_files:
+        return [], ""
+    if not saved_files:
+        moved = [p for p in now_files if repr(p) not in saved]
+        return [], (f"; this state was saved by an earlier release, which did not record the content of the "
+                    f"transform's model file, so {moved[0]} cannot be told to be the state's moved: if it is, "
+                    f"pass strict=False" if moved else "")
+    by_digest = {d: p for p, d in now_files.items()}
+    pairs, renamed = [], saved
+    for p, d in saved_files.items():
+        q = by_digest.get(d)
+        if q is None:
+            other = next(iter(now_files.items()))
+            return [], (f"; its model file differs: saved {p} (sha256 {str(d)[:12]}), now {other[0]} "
+                        f"(sha256 {other[1][:12]})")
+        if q != p:
+            pairs.append((p, q))
+            renamed = renamed.replace(repr(p), repr(q))
+    return (pairs, "") if pairs and renamed == now else ([], "")
 
 
 def checksum(job: str) -> str:
@@ -75,7 +132,9 @@ def unpack(state, config: Mapping, strict: bool = True,
     """Check ``state`` against this loader's ``config``; returns (step, job, the saved config, changes).
     The mesh and global batch may differ (an elastic resume, :mod:`~torchdata_overlord.elastic`); the
     sources only with ``sources_changed="allow"``; ``changes`` lists a changed mixture or transform,
-    accepted only with ``strict=False`` (or with the sources changed); anything else inconsistent raises."""
+    accepted only with ``strict=False`` (or with the sources changed); anything else inconsistent raises.
+    A transform that differs only in the path of a model file of the same content (moved) is the same, and
+    logged; a state without those contents (an earlier release's) needs ``strict=False`` for it."""
     if not isinstance(state, Mapping):
         raise ConfigError(f"not an OverlordLoader state: expected the dict OverlordLoader.state_dict() returns, "
                           f"got {type(state).__name__}")
@@ -99,7 +158,7 @@ def unpack(state, config: Mapping, strict: bool = True,
                             f"feedback; ranks whose states differ are saved per rank (torch.save) and resumed from "
                             f"ol.elastic.earliest() of them")
     diffs = [f"{k}: saved {theirs.get(k)!r}, now {v!r}" for k, v in config.items()
-             if k not in (MIXTURE, TRANSFORMS, PREFETCH, "sources", *ELASTIC) and theirs.get(k) != v]
+             if k not in (MIXTURE, TRANSFORMS, TRANSFORM_FILES, PREFETCH, "sources", *ELASTIC) and theirs.get(k) != v]
     if diffs:
         raise ConfigError("this state comes from another loader configuration: " + "; ".join(diffs) +
                           "; build the loader with the saved values to resume")
@@ -126,11 +185,17 @@ def unpack(state, config: Mapping, strict: bool = True,
                               f"new one")
         changes.append(change)
     saved_t, now_t = theirs.get(TRANSFORMS) or {}, config.get(TRANSFORMS) or {}
+    saved_f, now_f = theirs.get(TRANSFORM_FILES) or {}, config.get(TRANSFORM_FILES) or {}
     for name in sorted(set(saved_t) & set(now_t)):
         if saved_t[name] != now_t[name]:
+            moved, why = _moved_model(saved_t[name], now_t[name], saved_f.get(name), now_f.get(name))
+            if moved:                   # the same model file at another path: the same samples
+                log.info("source %r's transform: its model file moved (the same content): %s", name,
+                         "; ".join(f"{a} -> {b}" for a, b in moved))
+                continue
             change = f"source {name!r}'s transform: saved {saved_t[name]}, now {now_t[name]}"
             if strict:
-                raise ConfigError(f"this state was saved with another transform ({change}); its samples would "
+                raise ConfigError(f"this state was saved with another transform ({change}{why}); its samples would "
                                   f"differ from those planned before. Resume with the saved transform, or pass "
                                   f"load_state_dict(state, strict=False) if the change is intended")
             changes.append(change)

@@ -8,7 +8,8 @@ Design, in brief:
 * **Sample key** = ``offset[file] + row``, where ``file`` indexes :attr:`ParquetSource.files`
   (sorted resolved paths), ``row`` is the row's index within that file and ``offset[file]`` is
   the number of rows in all earlier files (from the Parquet footers, no data read). Keys are
-  dense ``0 .. num_rows-1``, identical in every epoch and run over the same file list.
+  dense ``0 .. num_rows-1``, identical in every epoch and run over the same file list (wherever it is:
+  sorting paths under one root sorts their relative paths).
 * **Order**: an epoch is a sequence of *units* (one Parquet row group each). The unit order is a
   permutation drawn from ``numpy.random.default_rng([seed, epoch])``; the rows of unit
   ``(file, rg)`` are permuted by ``default_rng([seed, epoch, file, rg])``, so any position can be
@@ -18,6 +19,13 @@ Design, in brief:
   restore reads only the row group it lands in: everything before it is skipped via metadata.
   ``ahead`` lists later units already read in part, ``[unit ordinal, rows]`` (``rows=-1``: all), so
   a state merged from data-parallel parts (below) resumes each unit where its part left it.
+* **Files fingerprint**: a state says which files it was taken over: ``[path, bytes, rows]`` of each
+  (absolute paths, with their URI scheme), or for more than :data:`FILES_LISTED` files their count, rows
+  and digests (:func:`_digest`). Keys, order and position depend on the files' order, row groups and rows
+  only, never on where they are, so a state also loads over the same files under another root: the
+  same paths relative to the file set's common root (the longest folder the files share; one file's:
+  its folder), the same sizes and row counts, in the same order (the data copied to a local SSD, another
+  mount point or bucket prefix); the move is logged. Any other difference is refused, naming it.
 * **Data-parallel parts** (paper 5.1): ``shard(j, k)`` makes this source read only the units at
   positions ``j, j+k, j+2k, ...`` of each epoch's order. The order, keys and state format do not
   change, so a state of any part (or of the whole source) loads into any other shard layout.
@@ -34,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import operator
 import os
 import re
@@ -52,6 +61,8 @@ from .metadata_cache import FileTable, cache_dir, journal_path, load_journal, po
 from .skip_log import SkipLog
 
 __all__ = ["ParquetSource", "SourceReadError", "SKIPPED"]
+
+log = logging.getLogger("torchdata_overlord")
 
 _RELEASE_BYTES = 1 << 20  # after decoding a row group this large, give Arrow's freed pages back to the OS
 
@@ -255,8 +266,9 @@ FILES_LISTED = 64   # a state lists at most this many files in its fingerprint; 
 
 def _files_fingerprint(files: list, listed: int = FILES_LISTED):
     """What a state says of the file set: ``[[path, bytes, rows], ...]`` for a few files (a mismatch names
-    the first different one); for more, ``{"count", "rows", "sha256"}``, so a state of a source of 100,000
-    files stays small (it is taken for every buffered sample and travels with every step)."""
+    the first different one); for more, ``{"count", "rows", "sha256", "root", "relative_sha256"}`` (see
+    :func:`_digest`), so a state of a source of 100,000 files stays small (it is taken for every buffered
+    sample and travels with every step)."""
     if len(files) <= listed:
         return [list(x) for x in files]
     paths, sizes, rows = zip(*files)
@@ -269,19 +281,47 @@ def _copy_files(files):
     return dict(files) if isinstance(files, dict) else [list(x) for x in files]
 
 
+def _root(paths: Sequence[str]) -> int:
+    """Where the file set's common root ends in each of ``paths`` (sorted or not): the length of the
+    longest folder prefix they share, up to and including its ``/``; a single file's root is its folder.
+    ``path[:cut - 1]`` is the root, ``path[cut:]`` the path relative to it. A URI keeps its scheme in the
+    root (``s3://b/k/x.parquet``: root ``s3://b/k``)."""
+    if not paths:
+        return 0
+    prefix = os.path.commonprefix([min(paths), max(paths)])
+    return prefix.rfind("/") + 1
+
+
+def _relative(files: list) -> tuple[str, list[list]]:
+    """``(root, [[path relative to root, bytes, rows], ...])`` of a ``[[path, bytes, rows], ...]`` list."""
+    cut = _root([f[0] for f in files])
+    root = files[0][0][:max(cut - 1, 0)] if files else ""
+    return root, [[f[0][cut:], f[1], f[2]] for f in files]
+
+
 def _digest(paths: list[str], sizes, rows) -> dict:
-    """``{"count", "rows", "sha256"}`` of a file set: the hash of the NUL-joined paths, then the sizes and
-    the row counts as little-endian int64 arrays."""
+    """``{"count", "rows", "sha256", "root", "relative_sha256"}`` of a file set: ``sha256`` hashes the
+    NUL-joined paths, then the sizes and the row counts as little-endian int64 arrays; ``relative_sha256``
+    the same with each path relative to the common ``root`` (:func:`_root`), so a state also loads over
+    the same files copied under another root (states of earlier releases have no ``relative_sha256``
+    and ``root``: they load over the same paths only)."""
+    cut = _root(paths)
+    tail = np.asarray(sizes, "<i8").tobytes() + np.asarray(rows, "<i8").tobytes()
     h = hashlib.sha256("\0".join(paths).encode())
-    h.update(np.asarray(sizes, "<i8").tobytes())
-    h.update(np.asarray(rows, "<i8").tobytes())
-    return {"count": len(paths), "rows": int(np.sum(np.asarray(rows, np.int64))), "sha256": h.hexdigest()}
+    h.update(tail)
+    r = hashlib.sha256("\0".join([p[cut:] for p in paths]).encode())
+    r.update(tail)
+    return {"count": len(paths), "rows": int(np.sum(np.asarray(rows, np.int64))), "sha256": h.hexdigest(),
+            "root": paths[0][:max(cut - 1, 0)] if paths else "", "relative_sha256": r.hexdigest()}
 
 
 def _legacy_digest(files: list) -> dict:
     """The digest states of release 2026-11-23 carried (sha256 of the file list's compact JSON)."""
     blob = json.dumps([list(x) for x in files], separators=(",", ":")).encode()
     return {"count": len(files), "rows": int(sum(x[2] for x in files)), "sha256": hashlib.sha256(blob).hexdigest()}
+
+
+_DIGEST_KEYS = ("count", "rows", "sha256")      # what every release's digest has
 
 
 class ParquetSource:
@@ -343,6 +383,7 @@ class ParquetSource:
         self._part = (0, 1)  # (j, k): this reader takes units j, j+k, ... of each epoch (see shard())
         self._ahead: dict[int, int] = {}
         self.last_order = -1
+        self._moves_logged: set = set()    # (old root, new root) a loaded state's files moved from and to
         self._set_position(0, 0, 0)
 
     # ---- setup ------------------------------------------------------------------------------
@@ -660,6 +701,11 @@ class ParquetSource:
         self._check_fingerprint(fp)
 
     def _check_fingerprint(self, fp) -> None:
+        """Refuse (ConfigError naming the difference) a state of another configuration or file set. The same
+        files under another root (copied to another folder, mount point or bucket prefix: the same paths
+        relative to the file set's common root, sizes and row counts, in the same order) are the same file
+        set: the sample keys, the order and the positions depend on those only, so the stream continues
+        exactly; that is logged (INFO) once per move."""
         mine = self._fingerprint
         if not isinstance(fp, dict):
             raise ConfigError(f"source {self.name!r}: state fingerprint must be a dict, got {fp!r:.100}")
@@ -667,30 +713,58 @@ class ParquetSource:
             if fp.get(k) != mine[k]:
                 raise ConfigError(f"source {self.name!r}: state was taken with {k}={fp.get(k)!r}, this source "
                                   f"has {k}={mine[k]!r}; restore with the same configuration")
-        if fp.get("files") == self._state_files:      # the usual case
+        theirs = fp.get("files")
+        if theirs == self._state_files:      # the usual case
             return
         files = self._file_list()
-        if fp.get("files") == files:
+        if theirs == files:
             return
-        if isinstance(fp.get("files"), dict) or isinstance(self._state_files, dict):
-            theirs = fp.get("files")
+        if isinstance(theirs, dict) or isinstance(self._state_files, dict):
             theirs = theirs if isinstance(theirs, dict) else _files_fingerprint(theirs or [], listed=0)
             ours = _files_fingerprint(files, listed=0)
-            if theirs != ours and theirs != _legacy_digest(files):
-                raise ConfigError(f"source {self.name!r}: file set differs from the state's ({theirs.get('count')} "
-                                  f"files of {theirs.get('rows')} rows, sha256 {str(theirs.get('sha256'))[:12]}; now "
-                                  f"{ours['count']} files of {ours['rows']} rows, sha256 {ours['sha256'][:12]}, over "
-                                  f"[path, bytes, rows] of every file). Restore over the same files.")
+            if all(theirs.get(k) == ours[k] for k in _DIGEST_KEYS) or theirs == _legacy_digest(files):
+                return
+            if theirs.get("relative_sha256") == ours["relative_sha256"] and \
+                    all(theirs.get(k) == ours[k] for k in ("count", "rows")):
+                return self._moved(theirs.get("root"), ours["root"], ours["count"])
+            if "relative_sha256" in theirs:
+                was = f" under {theirs.get('root')}, relative sha256 {str(theirs['relative_sha256'])[:12]}"
+                now = f" under {ours['root']}, relative sha256 {ours['relative_sha256'][:12]}"
+                over, old = "[path relative to the root, bytes, rows]", ""
+            else:
+                was, now = f", sha256 {str(theirs.get('sha256'))[:12]}", f", sha256 {ours['sha256'][:12]}"
+                over, old = "[path, bytes, rows]", (" (a state of an earlier release records its files by absolute "
+                                                     "path only: it loads over them at those paths, not over a copy)")
+            raise ConfigError(f"source {self.name!r}: file set differs from the state's ({theirs.get('count')} "
+                              f"files of {theirs.get('rows')} rows{was}; now {ours['count']} files of "
+                              f"{ours['rows']} rows{now}, over {over} of every file){old}. Restore over the same "
+                              f"files (the same files copied under another root are the same).")
+        theirs = [list(x) for x in theirs or []]
+        if not all(len(x) == 3 and isinstance(x[0], str) for x in theirs):
+            raise ConfigError(f"source {self.name!r}: the state's file list must hold [path, bytes, rows] per file, "
+                              f"got {theirs!r:.200}")
+        their_root, their_rel = _relative(theirs)
+        our_root, our_rel = _relative(files)
+        if theirs and their_rel == our_rel:
+            return self._moved(their_root, our_root, len(files))
+        i = next((i for i, (a, b) in enumerate(zip(their_rel, our_rel)) if a != b), min(len(theirs), len(files)))
+        same_root = their_root == our_root
+        a = (theirs if same_root else their_rel)[i] if i < len(theirs) else "nothing"
+        b = (files if same_root else our_rel)[i] if i < len(files) else "nothing"
+        what = "[path, bytes, rows]" if same_root else \
+            (f"[path relative to the root, bytes, rows]; the state's files are under {their_root}, these under "
+             f"{our_root}")
+        raise ConfigError(f"source {self.name!r}: file list differs from the state's ({len(theirs)} vs "
+                          f"{len(files)} files); first difference at #{i}: state has {a}, now {b} ({what}). "
+                          f"Restore over the same files (the same files copied under another root are the same).")
+
+    def _moved(self, old: str | None, new: str, count: int) -> None:
+        """Log (once per source and move) that a state taken over files under ``old`` loads over ``new``."""
+        if (old, new) in self._moves_logged:
             return
-        theirs = [list(x) for x in fp.get("files") or []]
-        ours = files
-        if theirs != ours:
-            i = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
-            a = theirs[i] if i < len(theirs) else "nothing"
-            b = ours[i] if i < len(ours) else "nothing"
-            raise ConfigError(f"source {self.name!r}: file list differs from the state's ({len(theirs)} vs "
-                              f"{len(ours)} files); first difference at #{i}: state has {a}, now {b} "
-                              f"([path, bytes, rows]). Restore over the same files.")
+        self._moves_logged.add((old, new))
+        log.info("source %r: the state's %d files moved from %s to %s (the same paths relative to that root, sizes "
+                 "and row counts, in the same order): resuming over them", self.name, count, old, new)
 
     # ---- reading ----------------------------------------------------------------------------
 
