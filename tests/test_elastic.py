@@ -210,6 +210,22 @@ def test_a_state_resumes_over_a_copy_of_the_data_and_tokenizer_under_another_roo
             c.load_state_dict(state)
 
 
+def test_a_tokenizer_model_changed_in_place_is_a_changed_transform(corpus, tmp_path):
+    """A model retrained at the same path gives other token ids under the same transform description: refused
+    under strict=True, saying the file changed in place, and accepted as a change with strict=False."""
+    _, _, copy = moved_copy(corpus, tmp_path)
+    with make_loader(copy, {"dp": 2}, 12) as a:
+        consume(a, 2)
+        state = a.state_dict()
+    Path(copy.spm_model).write_bytes(b"a retrained model")
+    with make_loader(copy, {"dp": 2}, 12) as b:
+        with pytest.raises(ol.ConfigError, match=r"its model file changed in place \(.*tok.*: saved sha256 "
+                                                 r"[0-9a-f]{12}, now [0-9a-f]{12}\)"):
+            b.load_state_dict(state)
+        with pytest.warns(UserWarning, match="changed in place"):
+            assert any("changed in place" in c for c in b.load_state_dict(state, strict=False))
+
+
 _MOVED_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {tests!r})

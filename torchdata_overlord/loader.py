@@ -487,7 +487,8 @@ class OverlordLoader:
         or another transform, ``strict=False``: it then continues from the saved position with this
         loader's, and the changes are warned about. The sources' files and a transform's model file
         copied under another root are no change (the same relative paths, sizes and rows; the same
-        model content): the move is logged. Returns every change, in words.
+        model content): the move is logged; a model file changed in place is another transform. Returns every
+        change, in words.
         (``torch.distributed.checkpoint.load`` calls this with ``strict=True``; to opt in there,
         load into ``{"loader": loader.state_dict()}`` and pass that entry here.)"""
         self._check_open("load_state_dict()")

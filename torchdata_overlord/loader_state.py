@@ -187,6 +187,7 @@ def unpack(state, config: Mapping, strict: bool = True,
     saved_t, now_t = theirs.get(TRANSFORMS) or {}, config.get(TRANSFORMS) or {}
     saved_f, now_f = theirs.get(TRANSFORM_FILES) or {}, config.get(TRANSFORM_FILES) or {}
     for name in sorted(set(saved_t) & set(now_t)):
+        change, why = None, ""
         if saved_t[name] != now_t[name]:
             moved, why = _moved_model(saved_t[name], now_t[name], saved_f.get(name), now_f.get(name))
             if moved:                   # the same model file at another path: the same samples
@@ -194,6 +195,12 @@ def unpack(state, config: Mapping, strict: bool = True,
                          "; ".join(f"{a} -> {b}" for a, b in moved))
                 continue
             change = f"source {name!r}'s transform: saved {saved_t[name]}, now {now_t[name]}"
+        elif isinstance(saved_f.get(name), dict) and now_f.get(name) and saved_f[name] != now_f[name]:
+            # the same description, another model at the same path (retrained): other token ids
+            change = (f"source {name!r}'s transform: its model file changed in place ("
+                      + "; ".join(f"{p}: saved sha256 {str(saved_f[name].get(p))[:12]}, now {d[:12]}"
+                                  for p, d in now_f[name].items()) + ")")
+        if change is not None:
             if strict:
                 raise ConfigError(f"this state was saved with another transform ({change}{why}); its samples would "
                                   f"differ from those planned before. Resume with the saved transform, or pass "
