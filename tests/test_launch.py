@@ -303,3 +303,95 @@ def test_the_launcher_runs_under_torchrun(corpus, tmp_path):
     got = [torch.load(out, weights_only=False) for _, out in trainers]
     assert [[it["step"] for it in g["items"]] for g in got] == [[0, 1], [0, 1]]
     assert not wait_gone(set(got[0]["roles"].values()))
+
+
+def forked_workers(launcher_pid: int, count: int, timeout: float = 120.0) -> list[int]:
+    """The pids of the ``count`` role workers a launcher's fork server started (waits, bounded, for them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            server = fork_server_of(launcher_pid)
+            kids = [int(k) for k in open(f"/proc/{server}/task/{server}/children").read().split()]
+        except (AssertionError, OSError):
+            kids = []
+        if len(kids) >= count or time.monotonic() > deadline:
+            return kids
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill a node-1 worker", "kill node 1's launcher", "terminate node 1's launcher"])
+def test_a_follower_node_that_fails_ends_the_job_as_node_0_would(corpus, tmp_path, fault):
+    """Node 0 only saw its own workers: a node-1 worker killed left the trainers failing with RoleLost ("start
+    the job with more spares", in a job without fault tolerance) and node 0 exiting 0, and a node-1 launcher
+    killed or terminated was not noticed at all. Each ends the job like a fault on node 0: the trainers raise
+    JobStopped naming what died and where, node 0 exits 1, and no process is left."""
+    port = free_port()
+    config = write_config(tmp_path, corpus)
+    nodes = [launcher(config, port, "--interface", "lo", "--workers-per-node", "2", "--ping-every", "0.5",
+                      nodes=2, node_rank=r) for r in (0, 1)]
+    trainers = [trainer(tmp_path, corpus, port, r, 10_000, pause=0.05) for r in (0, 1)]
+    procs = [p for p, _ in trainers] + nodes
+    try:
+        line = trainers[0][0].stdout.readline()               # the job runs: trainer 0 consumed a step
+        assert line.startswith("roles"), finish(procs, 10)
+        role_pids = [int(p) for p in line.split(" ", 1)[1].strip("[]\n").split(",")]
+        node1_workers = forked_workers(nodes[1].pid, 2)
+        assert len(node1_workers) == 2 and set(node1_workers) <= set(role_pids), (node1_workers, role_pids)
+        t0 = time.monotonic()
+        if fault == "kill a node-1 worker":
+            os.kill(node1_workers[0], signal.SIGKILL)
+        else:
+            nodes[1].send_signal(signal.SIGKILL if fault == "kill node 1's launcher" else signal.SIGTERM)
+        results = finish(procs, 60)
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    why = {"kill a node-1 worker": f"(pid {node1_workers[0]}, exited with code -9)'] on node 1 died",
+           "kill node 1's launcher": "the launcher of node(s) [1] is gone",
+           "terminate node 1's launcher": "node 1's launcher was interrupted (Ctrl-C or SIGTERM)"}[fault]
+    assert all("TIMEOUT" not in err for _, err in results), [err[-2000:] for _, err in results]   # nobody hung
+    assert took < 45, took
+    (rc0, err0), (rc1, err1) = results[2:]
+    assert rc0 == 1 and why in err0 and "every trainer left" not in err0, err0[-3000:]
+    assert rc1 == (-signal.SIGKILL if fault == "kill node 1's launcher" else 1), err1[-3000:]
+    for rc, err in results[:2]:                                      # the trainers learn why, not a consequence
+        assert rc != 0 and "JobStopped" in err and why in err, err[-3000:]
+        assert "RoleLost" not in err and "more spares" not in err, err[-3000:]
+    assert not wait_gone(role_pids)
+
+
+@pytest.mark.slow
+def test_a_follower_worker_that_dies_during_start_up_is_reported_at_once(corpus, tmp_path):
+    """A node-1 worker killed while the group assembles (no trainer joined yet): node 0 waited for the group
+    until torch's start-up failed (~6 s), then said that not every member joined within --join-timeout=600 s,
+    and every worker printed gloo's traceback. Node 0 now names the dead worker and its node within seconds,
+    and every process ends without a traceback."""
+    port = free_port()
+    config = write_config(tmp_path, corpus)
+    nodes = [launcher(config, port, "--interface", "lo", "--workers-per-node", "2", nodes=2, node_rank=r)
+             for r in (0, 1)]
+    try:
+        workers = [forked_workers(n.pid, 2) for n in nodes]
+        assert all(len(w) == 2 for w in workers), workers
+        time.sleep(1.0)                                       # the workers are joining the group
+        t0 = time.monotonic()
+        os.kill(workers[1][0], signal.SIGKILL)
+        results = finish(nodes, 60)
+        took = time.monotonic() - t0
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    (rc0, err0), (rc1, err1) = results
+    assert rc0 == 1 and rc1 == 1, [err[-3000:] for _, err in results]
+    errors = [line for line in err0.splitlines() if line.startswith("torchdata_overlord.launch:")]
+    assert len(errors) == 1, err0[-3000:]
+    assert f"(pid {workers[1][0]}, exited with code -9)'] on node 1 died during start-up" in errors[0], errors
+    assert "join-timeout" not in err0, err0[-3000:]
+    assert took < 15, took
+    assert not [e for _, err in results for e in ("Traceback", "terminate called") if e in err], \
+        [err[-3000:] for _, err in results]
+    assert not wait_gone(workers[0] + workers[1])

@@ -23,8 +23,14 @@ that does not fit the mesh), starts the roles once every member joined, and then
 ends normally once every trainer has left (each tells the launcher when its loader closes, on its own
 time), and a trainer or a worker that dies, or Ctrl-C / SIGTERM, ends it with exit code 1 (every
 node's workers exit, nothing hangs; the trainers still there fail with ``JobStopped`` saying why).
-Node ranks > 0 wait at most ``--connect-timeout`` seconds for node 0, and node 0 at most
-``--join-timeout`` for every member: past it, one line says who was awaited and the exit code is 1.
+That holds on every node: a follower (node rank > 0) tells node 0, through the store, of a worker of
+its own that died (with fault tolerance: that its roles are the Planner's to replace) and of its
+Ctrl-C / SIGTERM, and node 0 pings the followers' workers, so one whose launcher was killed (SIGKILL,
+the OOM killer; its workers exit with it) is named too, within ``--ping-every`` plus a few seconds;
+a trainer whose step failed for good waits that long for the launcher's word. A worker that dies
+while the job starts is named at once, by whichever node it was on. Node ranks > 0 wait at most
+``--connect-timeout`` seconds for node 0, and node 0 at most ``--join-timeout`` for every member:
+past it, one line says who was awaited and the exit code is 1.
 
 Security: RPC peers exchange pickles, so anyone who can reach these ports can run code in every
 role. The default binds TensorPipe to loopback (``--interface lo``) and refuses a non-loopback
@@ -57,6 +63,11 @@ from .runtime.job_config import RoleConfig, start_roles
 from .runtime.refs import LAUNCHER
 
 log = logging.getLogger("torchdata_overlord.launch")
+# seconds node 0 waits for a follower to say why its workers stopped answering before it calls that
+# follower's launcher gone (a live follower sees its worker's death at once and reports it in ~0.1 s)
+REPORT_GRACE = 3.0
+# seconds a follower that told node 0 why the job stops waits for node 0 to stop its workers before it ends them
+STOP_WAIT = 15.0
 JOB_KEYS = ("sources", "strategy", "mesh", "global_batch", "seq_len", "seed", "buffer_size", "workers",
             "image_token_id", "pad_id", "ignore_index", "constructors", "clients", "checkpoint_dir", "snapshot_every",
             "shadows")
@@ -140,7 +151,9 @@ class Launcher:
         self.per_node, self.spares_per_node = per, spares
         self.procs, self.conns = [], []
         self.dead_seen: set[str] = set()
+        self.remote_dead: set[str] = set()      # node 0: other nodes' workers they reported dead (fault tolerance)
         self.store = None
+        self.session = ""                       # the layout's session: the store keys of this job (see key())
         self.stopping = threading.Event()
 
     @property
@@ -151,6 +164,20 @@ class Launcher:
     def fault_tolerant(self) -> bool:
         """The roles checkpoint or keep shadows: a worker's death is recovered, not the end of the job."""
         return self.cfg.checkpoint_dir is not None or self.cfg.shadows
+
+    def node_of(self, index: int) -> int:
+        """The node of worker ``index`` (a role worker or a spare)."""
+        if index < self.n_workers:
+            return index // self.per_node
+        return (index - self.n_workers) // self.spares_per_node
+
+    @property
+    def stop_notice_s(self) -> float:
+        """At most how long after a worker's death on any node (or a follower's launcher's) node 0 tells the
+        trainers that the job stops: a ping round, a follower's report grace, a margin. A trainer whose step
+        failed for good waits that long for the notice, so it raises JobStopped saying why, not the failure
+        the death caused it (e.g. RoleLost: no spare can host a loader)."""
+        return self.a.ping_every + max(1.0, self.a.ping_every) + REPORT_GRACE + 2.0
 
     def spare_indices(self, node: int | None = None) -> list[int]:
         """Worker indices of the spares (after every role worker; node ``r``'s from ``n_workers + r *
@@ -167,7 +194,8 @@ class Launcher:
         rendezvous = {"session": uuid.uuid4().hex, "ns": "", "address": self.address,
                       "init_method": f"{SCHEME}://{self.address}", "world_size": n + c + 1,
                       "n_workers": n, "client_ranks": [n + i for i in range(c + 1)],
-                      "rpc_timeout": a.rpc_timeout, "env": env if a.interface == "lo" else {}}
+                      "rpc_timeout": a.rpc_timeout, "env": env if a.interface == "lo" else {},
+                      "stop_notice_s": self.stop_notice_s}
         return {"rendezvous": rendezvous, "placement": self.cfg.placement(self.n_workers),
                 "fingerprint": self.cfg.fingerprint(), "nodes": a.nodes, "workers_per_node": self.per_node,
                 "spares_per_node": self.spares_per_node, "role_workers": self.n_workers,
@@ -192,6 +220,7 @@ class Launcher:
                                   f"--workers-per-node and --spares-per-node")
         from .runtime.rpc_transport import spawn_workers
         rv = layout["rendezvous"]
+        self.session = rv["session"]
         first = a.node_rank * self.per_node
         mine = list(range(first, first + self.per_node)) + self.spare_indices(a.node_rank)
         own = {"TP_SOCKET_IFNAME": a.interface, "GLOO_SOCKET_IFNAME": a.interface}   # this node's network
@@ -201,6 +230,39 @@ class Launcher:
                  self.spare_indices(a.node_rank))
         return layout
 
+    # -- what the nodes tell each other, in node 0's store ------------------------------------------
+    def key(self, what: str, node: int | None = None) -> str:
+        """A store key of this job (its layout's session: a store torchrun keeps across restarts holds
+        no stale one): node ``node``'s ``what``, or the job's."""
+        where = "" if node is None else f"node-{node}/"
+        return f"overlord/{self.session}/{where}{what}"
+
+    def tell(self, what: str, value: str) -> None:
+        """Set a key node 0 reads (a follower's report); a store that is gone (node 0 ended) is logged."""
+        try:
+            self.store.set(self.key(what, self.a.node_rank), value)
+        except (RuntimeError, OSError) as e:
+            log.warning("node %d: could not tell node 0 (%s): %s", self.a.node_rank, value,
+                        str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+
+    def told(self, what: str, node: int | None = None, gone: str | None = None) -> str | None:
+        """What node ``node`` (None: node 0, for the job) set under ``what``: None while it did not, ``gone``
+        when the store is (node 0 ended)."""
+        k = self.key(what, node)
+        try:
+            return self.store.get(k).decode() if self.store.check([k]) else None
+        except (RuntimeError, OSError):
+            return gone
+
+    def followers_stop(self) -> str | None:
+        """Why a follower node ends the job (a worker of it died without fault tolerance, its launcher was
+        interrupted), as it reported to the store; None while none did."""
+        for r in range(1, self.a.nodes):
+            why = self.told("stop", r)
+            if why is not None:
+                return why
+        return None
+
     # -- node 0: the roles and the watch ---------------------------------------------------------
     def run_leader(self, layout: dict) -> int:
         from .runtime.rpc_session import exited_during_start_up
@@ -209,26 +271,43 @@ class Launcher:
         rv, clients = layout["rendezvous"], self.cfg.clients
 
         def abort() -> str | None:
-            return "interrupted (Ctrl-C or SIGTERM)" if self.stopping.is_set() else exited_during_start_up(self.procs)
+            if self.stopping.is_set():
+                return "interrupted (Ctrl-C or SIGTERM)"
+            return exited_during_start_up(self.procs) or self.followers_stop()
 
+        waited_for = (f"the job waits for {self.n_workers} role worker(s), {self.spares_per_node * self.a.nodes} "
+                      f"spare(s) and {clients} trainer(s), which connect with "
+                      f"OverlordLoader(..., runtime='rpc', address='{self.address}', rank=r)")
         try:
             transport = RpcTransport.join(rv, clients, startup_timeout=self.a.join_timeout, stop_timeout=5.0,
                                           abort=abort)
         except TransportStartupError as e:
-            if abort() is not None:
-                raise
-            raise TransportStartupError(
-                f"not every member joined within --join-timeout={self.a.join_timeout:g} s: the job waits for "
-                f"{self.n_workers} role worker(s), {self.spares_per_node * self.a.nodes} spare(s) and {clients} "
-                f"trainer(s), which connect with "
-                f"OverlordLoader(..., runtime='rpc', address='{self.address}', rank=r)") from e
+            why = abort()
+            if why is None and e.__cause__ is not None:
+                # torch's start-up failed before the deadline: a member died mid-way (a follower's worker reports
+                # it a moment later; a follower's launcher killed with its workers reports nothing)
+                time.sleep(1.0)
+                why = abort()
+            if why is not None:
+                raise TransportStartupError(f"the job did not start: {why}") from e
+            if e.__cause__ is not None:
+                raise TransportStartupError(f"the job's RPC group failed to start ({str(e).splitlines()[0][:300]}): a "
+                                            f"member died or left during start-up; {waited_for}") from e
+            raise TransportStartupError(f"not every member joined within --join-timeout={self.a.join_timeout:g} s: "
+                                        f"{waited_for}") from e
+        self.store.set(self.key("started"), "1")     # the followers' workers are in the group: node 0 stops them
         try:
             spares = [W.worker_name(i) for i in self.spare_indices()]
             transport.host(LAUNCHER, PlannerStarter(transport, self.cfg, spares))    # trainer 0 asks it
-            start_roles(transport, self.cfg, self.n_workers, spares, warm_timeout=self.a.join_timeout)
-            print(f"torchdata_overlord.launch: roles started on {self.n_workers} workers ({len(spares)} spares); "
-                  f"trainers connect with address='{self.address}'", flush=True)
-            reason = self.watch(transport.ns, clients)
+            try:
+                start_roles(transport, self.cfg, self.n_workers, spares, warm_timeout=self.a.join_timeout)
+            except OverlordError as e:       # e.g. a loader "did not fill its first buffer": its worker died
+                reason = f"the roles did not start: {self.died_during_start_up() or e}"
+            else:
+                print(f"torchdata_overlord.launch: roles started on {self.n_workers} workers ({len(spares)} spares); "
+                      f"trainers connect with address='{self.address}'", flush=True)
+                reason = self.watch(transport.ns, clients)
+            self.store.set(self.key("stopping"), reason or "")    # the followers: their workers exit as told
             if reason is None:
                 log.info("every trainer left: stopping the roles")
             else:
@@ -270,29 +349,90 @@ class Launcher:
 
     def watch(self, ns: str, clients: int) -> str | None:
         """None once every trainer client left; else why the job must stop (interrupted, a worker or a
-        trainer gone without leaving)."""
+        trainer gone without leaving, a follower node that reported a reason or whose launcher is gone).
+
+        Node 0 sees its own workers' processes; a follower reports its own (and its Ctrl-C / SIGTERM) through
+        the store, read here every 0.1 s. A follower killed with its launcher (SIGKILL, the OOM killer: its
+        workers exit with it) reports nothing: its workers, pinged with the trainers every ``--ping-every``
+        seconds, stop answering, and a follower that did not report why within :data:`REPORT_GRACE` seconds
+        is named as gone."""
         import torch.distributed.rpc as rpc
 
         everyone = set(range(clients))
         next_ping = time.monotonic() + self.a.ping_every
+        timeout = max(1.0, self.a.ping_every)
         while L.wait_left(ns, everyone, 0.1):
             if self.stopping.is_set():
                 return "the launcher was interrupted (Ctrl-C or SIGTERM)"
             dead = [p.name for p in self.procs if not p.is_alive()]
             self.note_fork_server()
             if dead and not self.fault_tolerant:
-                return f"role worker process(es) {dead} died"
+                return f"role worker process(es) {dead} on node 0 died"
             self.note_dead(dead)
+            why = self.followers_stop()
+            if why is not None:
+                return why
             if time.monotonic() >= next_ping:
                 next_ping = time.monotonic() + self.a.ping_every
-                futs = {c: rpc.rpc_async(W.client_name(c), os.getpid, timeout=max(1.0, self.a.ping_every))
+                futs = {c: rpc.rpc_async(W.client_name(c), os.getpid, timeout=timeout)
                         for c in sorted(everyone - L.left_clients(ns))}
+                workers = {w: rpc.rpc_async(w, W._pid, timeout=timeout) for w in self.remote_workers()}
                 for c, f in futs.items():
                     try:
                         f.wait()
                     except BaseException as e:       # noqa: BLE001
                         if c not in L.left_clients(ns):   # a trainer that left just now is not dead
                             return f"trainer client {c} died without leaving (unreachable: {str(e).splitlines()[0][:120]})"
+                unanswered = {}
+                for w, f in workers.items():
+                    try:
+                        f.wait()
+                    except BaseException as e:       # noqa: BLE001
+                        unanswered[w] = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+                why = self.unreported(unanswered)
+                if why is not None:
+                    return why
+        return None
+
+    def died_during_start_up(self) -> str | None:
+        """Why the roles could not start when a worker died meanwhile, on this node or another (a follower
+        reports its own within :data:`REPORT_GRACE` seconds), instead of the error that death caused (a
+        call to it failed, or a loader "did not fill its first buffer within the start-up timeout")."""
+        deadline = time.monotonic() + REPORT_GRACE
+        while True:
+            dead = [f"{p.name} (pid {p.pid}, {p.describe_exit()})" for p in self.procs if not p.is_alive()]
+            if dead:
+                return f"role worker process(es) {dead} on node 0 died"
+            why = self.followers_stop()
+            if why is not None or time.monotonic() >= deadline:
+                return why
+            time.sleep(0.1)
+
+    def remote_workers(self) -> list[str]:
+        """The other nodes' workers (role workers and spares) node 0 pings, less those reported dead."""
+        mine = set(range(self.per_node)) | set(self.spare_indices(0))
+        every = range(self.n_workers + self.spares_per_node * self.a.nodes)
+        return [W.worker_name(i) for i in every if i not in mine and W.worker_name(i) not in self.remote_dead]
+
+    def unreported(self, unanswered: dict[str, str]) -> str | None:
+        """Why the job stops, given the other nodes' workers that did not answer a ping (name -> error):
+        what their node reports within :data:`REPORT_GRACE` seconds (a worker that died ends the job,
+        or, with fault tolerance, is the Planner's to replace), else that node's launcher is gone."""
+        deadline = time.monotonic() + REPORT_GRACE
+        while unanswered:
+            why = self.followers_stop()
+            if why is not None:
+                return why
+            for w in list(unanswered):
+                if self.told(f"dead/{w}", self.node_of(W.worker_index(w))) is not None:
+                    self.remote_dead.add(w)          # a follower's note: fault tolerance replaces its roles
+                    del unanswered[w]
+            if unanswered and time.monotonic() >= deadline:
+                nodes = sorted({self.node_of(W.worker_index(w)) for w in unanswered})
+                return (f"the launcher of node(s) {nodes} is gone (killed, e.g. SIGKILL or the OOM killer, or its "
+                        f"host is unreachable): its worker process(es) {sorted(unanswered)} stopped answering "
+                        f"({next(iter(unanswered.values()))}) and it reported nothing within {REPORT_GRACE:g} s")
+            time.sleep(0.1)
         return None
 
     def note_fork_server(self) -> None:
@@ -313,14 +453,41 @@ class Launcher:
 
     # -- other nodes: wait for the workers ---------------------------------------------------------
     def run_follower(self) -> int:
-        while any(p.is_alive() for p in self.procs):
-            if self.stopping.is_set():
-                return 1
-            for p in self.procs:
-                p.join(0.1)
+        """Watch this node's workers until node 0 stops them (their exit codes are this launcher's). What
+        ends the job here, a worker that died (without fault tolerance) or Ctrl-C / SIGTERM, is told to node 0
+        through the store: node 0 tells the trainers why and stops every node's workers. This node then waits
+        for that (at most :data:`STOP_WAIT` seconds) before it ends its own, so that the trainers learn why
+        before the roles go; during start-up (no RPC group yet to stop them by) it ends them at once. With
+        fault tolerance a dead worker is noted to node 0 instead (its roles are replaced on spares)."""
+        r = self.a.node_rank
+        why = None
+        while why is None and any(p.is_alive() for p in self.procs):
+            time.sleep(0.05)
             self.note_fork_server()
-            if self.fault_tolerant:
-                self.note_dead([p.name for p in self.procs if not p.is_alive()])
+            dead = [p for p in self.procs if not p.is_alive()]
+            if dead and self.told("stopping", gone="") is not None:
+                continue                     # node 0 ends the job (or ended): it stops the workers, here and everywhere
+            if self.stopping.is_set():
+                why = f"node {r}'s launcher was interrupted (Ctrl-C or SIGTERM)"
+            elif dead and not self.fault_tolerant:
+                why = (f"role worker process(es) {[f'{p.name} (pid {p.pid}, {p.describe_exit()})' for p in dead]} "
+                       f"on node {r} died")
+            elif dead:
+                for p in dead:
+                    if p.name not in self.dead_seen:
+                        self.tell(f"dead/{p.name}", p.describe_exit())
+                self.note_dead([p.name for p in dead])
+        if why is not None:
+            started = self.told("started") is not None
+            if not started:
+                why += " during start-up"
+            log.error("node %d: %s; telling node 0, which ends the job", r, why)
+            self.tell("stop", why)
+            if started:                      # node 0 stops this node's workers (exit code 1), after the trainers
+                deadline = time.monotonic() + STOP_WAIT
+                for p in self.procs:
+                    p.join(max(0.0, deadline - time.monotonic()))
+            return 1
         codes = [p.exitcode for p in self.procs]
         if self.fault_tolerant:         # killed workers were replaced; the others exit as node 0 says
             codes = [c for c in codes if c is not None and c >= 0]

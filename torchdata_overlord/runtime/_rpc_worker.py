@@ -26,6 +26,7 @@ import itertools
 import os
 import pickle
 import signal
+import sys
 import threading
 import traceback
 from typing import Callable
@@ -347,7 +348,14 @@ def worker_main(name: str, rank: int, world_size: int, init_method: str, rpc_tim
     register()
     watch = threading.Thread(target=_watch_parent, args=(conn,), name="overlord-parent-watch", daemon=True)
     watch.start()
-    init_rpc(name, rank, world_size, init_method, rpc_timeout)
+    try:
+        init_rpc(name, rank, world_size, init_method, rpc_timeout)
+    except Exception as e:                  # noqa: BLE001 - a member died during start-up: its starter says which
+        # one line, not gloo's traceback from every worker: whoever started this process reports why the group failed
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        print(f"{name}: the RPC group did not start ({type(e).__name__}: {first}); exiting", file=sys.stderr,
+              flush=True)
+        os._exit(1)
     # what start-up made (torch, pyarrow, ...) lives as long as the process: keep it out of the
     # collector's full passes, which stop every actor thread while they run
     gc.freeze()

@@ -79,6 +79,7 @@ class Job(ClientRecovery):
         self._registry = None               # the leader tells the other clients where a new Planner is
         self._planners = 0                  # replacement Planners started
         self._stopped: str | None = None    # why the launcher stopped the job, once it did
+        self._stop_notice = threading.Event()   # set with _stopped
         self._final_stats: dict | None = None
         self._running = False               # every role started
 
@@ -91,6 +92,7 @@ class Job(ClientRecovery):
         """The launcher stopped the job (another trainer died, Ctrl-C...): every step asked for fails
         with JobStopped saying why, now and later."""
         self._stopped = reason
+        self._stop_notice.set()
         for req in list(self._requests.copy().values()):
             settle(req.out, exc=JobStopped(reason))
 
@@ -140,7 +142,13 @@ class Job(ClientRecovery):
         if self._stopped is not None:
             raise JobStopped(self._stopped)
         if self._gen is None:
-            self._attach(None, self._next)
+            try:
+                self._attach(None, self._next)
+            except BaseException as e:      # noqa: BLE001 - a launched job's launcher may say why (JobStopped)
+                final = self._final_error(e)
+                if final is e:
+                    raise
+                raise final from e
         step = self._next
         self._next += 1
         wanted = list(range(self.mesh.world_size)) if ranks is None else [self.mesh._check_rank(int(r)) for r in ranks]

@@ -91,6 +91,12 @@ class ClientRecovery:
         if attempt != req.attempt or req.out.done():
             return                          # an older attempt; a newer one is on its way
         if not isinstance(err, RECOVERABLE):
+            if self._launched and isinstance(err, RoleLost):
+                try:                        # off the RPC thread that delivered it: it may wait for the launcher
+                    self._recovery.submit(lambda: settle(req.out, exc=self._final_error(err)))
+                    return
+                except RuntimeError:        # closed
+                    pass
             settle(req.out, exc=err)
             return
         self.faults["failures"].append({"step": req.step, "error": f"{type(err).__name__}: {str(err)[:200]}",
@@ -113,7 +119,7 @@ class ClientRecovery:
                 raise RoleLost(f"step {req.step} could not be delivered within recovery_timeout="
                                f"{self.recovery_timeout:g} s after a failure ({err})")
         except BaseException as e:          # noqa: BLE001 - the trainer's next() raises it
-            settle(req.out, exc=self._launcher_died(e) or e)
+            settle(req.out, exc=self._final_error(e))
             return
         self.faults["reissued"] += 1
         req.out.delayed = True
@@ -122,6 +128,22 @@ class ClientRecovery:
                 continue
             other.gen_seen = self._gen
             self._issue(other)
+
+    def _final_error(self, err: BaseException) -> BaseException:
+        """What the trainer's next() raises for a failure nothing here recovers from. In a launched job a
+        role worker that died on any node ends the job unless it is fault tolerant, and the launcher tells
+        every trainer why (JobStopped naming the worker and its node): ``err`` (e.g. RoleLost: no spare
+        can host the lost loader) is that death's consequence, and often arrives first. So a launched
+        job's trainer waits (at most the ``stop_notice_s`` the launcher gives in its layout) for that
+        notice, unless the launcher itself is gone (then a JobStopped saying so)."""
+        stopped = self._launcher_died(err)
+        if stopped is not None:
+            return stopped
+        if self._launched and isinstance(err, (RoleLost,) + RECOVERABLE):
+            wait = float(getattr(self.transport, "rendezvous", {}).get("stop_notice_s", 0.0))
+            if self._stop_notice.wait(wait) and self._stopped is not None:
+                return JobStopped(self._stopped)
+        return err
 
     def _launcher_died(self, err: BaseException) -> "JobStopped | None":
         """In a launched job whose launcher process is gone (SIGKILL, the OOM killer; its role processes exit
