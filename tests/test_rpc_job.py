@@ -81,6 +81,61 @@ def reference(corpus):
     return steps, states
 
 
+class DeclaredOnly:
+    """A user's own source with exactly the members the ``Source`` protocol declares (no optional ``skips``),
+    over a ParquetSource it builds, so its stream is the reference's."""
+
+    def __init__(self, name, paths, transform, seed=0):
+        self._inner = ParquetSource(name, paths, transform, seed=seed)
+        self.name, self._args = name, (paths, transform, {"seed": seed})
+
+    epoch = property(lambda self: self._inner.epoch)
+    rows_passed = property(lambda self: self._inner.rows_passed)
+    buffer_bytes = property(lambda self: self._inner.buffer_bytes)
+
+    def next_raw(self):
+        return self._inner.next_raw()
+
+    def apply(self, row, where):
+        return self._inner.apply(row, where)
+
+    def check_progress(self, since):
+        self._inner.check_progress(since)
+
+    def state_dict(self):
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state):
+        self._inner.load_state_dict(state)
+
+    def spec_args(self):
+        return self._args
+
+    def close(self):
+        self._inner.close()
+
+
+def test_a_source_with_only_the_declared_members_runs_in_both_runtimes(corpus, reference):
+    """``skips`` is optional: a source without it reports no skips, in stats() and in the start-up's warm fill
+    (the rpc job's roles, here over InProcessTransport, fill every loader first), instead of an AttributeError."""
+    steps, _ = reference
+    web = make_sources(corpus)[0]
+    sources = [DeclaredOnly("web", *web.spec_args()[:2], seed=0), make_sources(corpus)[1]]
+    assert isinstance(sources[0], ol.Source) and not hasattr(sources[0], "skips")
+    transport = InProcessTransport()
+    try:
+        for job in (LocalJob(sources, vlm_strategy, make_mesh(), **job_kwargs(corpus)),
+                    RpcJob(sources, vlm_strategy, make_mesh(), transport=transport, **job_kwargs(corpus))):
+            try:
+                assert_identical(job.step().outputs, steps[0][1])
+                web_stats = job.stats()["sources"]["web"]
+                assert (web_stats["skipped"], web_stats["skipped_distinct"], web_stats["skipped_files"]) == (0, 0, {})
+            finally:
+                job.close()
+    finally:
+        transport.stop()
+
+
 # ------------------------------------------------------------------------------ in-process
 
 def test_source_spec_from_source(corpus):

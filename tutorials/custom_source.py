@@ -6,7 +6,9 @@ shards, a Hugging Face dataset, a database cursor: whatever your node reads). It
 node's own ``state_dict()``, so the loader checkpoints and resumes it exactly. Here the node is
 ``Dialogues``, a few lines that make synthetic chat turns from a seed (a real one would read files),
 mixed with the demo corpus's Parquet ``code`` source and a JSON Lines file read by
-:class:`torchdata_overlord.FileSource`.
+:class:`torchdata_overlord.FileSource`. A source type of your own implements the protocol's members
+(``torchdata_overlord/sources/base.py``); those it marks optional, such as ``skips`` (without it the
+source reports no skips in ``loader.stats()``), may be left out.
 
 ``runtime="rpc"`` builds every source again in a role process, so a NodeSource needs a *factory*
 (here the module-level ``make_dialogues``), and the transform must be importable there too (module

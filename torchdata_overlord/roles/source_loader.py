@@ -347,8 +347,15 @@ class SourceLoader(BaseNode[tuple]):
         files/rows; ``skipped_files``: the files skipped whole)."""
         return {"buffered": len(self._buffer), "buffer_bytes": self.buffer_bytes, "served": self.served,
                 "row_groups_read": getattr(self.source, "reads", None),
-                "epochs_started": list(self.epochs_started), "exhausted": self.exhausted,
-                **self.source.skips.stats()}
+                "epochs_started": list(self.epochs_started), "exhausted": self.exhausted, **self.skip_stats()}
+
+    NO_SKIPS = {"skipped": 0, "skipped_distinct": 0, "skipped_files": {}}
+
+    def skip_stats(self) -> dict:
+        """The source's skip counts (its ``skips`` log's); a source without one (the member is optional in
+        the :class:`~torchdata_overlord.Source` protocol) skips nothing it counts: zeros, the same keys."""
+        skips = getattr(self.source, "skips", None)
+        return dict(self.NO_SKIPS, skipped_files={}) if skips is None else skips.stats()
 
     @property
     def buffer_bytes(self) -> int:

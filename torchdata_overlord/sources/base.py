@@ -58,8 +58,12 @@ class Source(Protocol):
       at ``where`` as skipped, as ``apply`` does for a failing transform under ``"skip"``; a Source Loader
       skips this way a row whose sample it cannot use (text holding the image placeholder), and raises
       for it where the source has neither;
-    * ``skips`` (a :class:`~torchdata_overlord.sources.skip_log.SkipLog`), ``buffer_bytes`` (bytes
-      the source itself holds) and ``close()``.
+    * optionally ``skips`` (a :class:`~torchdata_overlord.sources.skip_log.SkipLog`): what ``stats()``
+      reports as the source's skips; a source without one reports none (zeros);
+    * ``buffer_bytes`` (bytes the source itself holds) and ``close()``.
+
+    The members marked optional are not declared below, so ``isinstance(source, Source)`` checks only the
+    required ones, and a source that passes it works in both runtimes.
     """
 
     name: str
