@@ -1,9 +1,11 @@
 """The roles on real files and the drop-in loader: exact resume, no loss, clean shutdown."""
 
 import json
+import logging
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -362,6 +364,98 @@ print("threads", len([t for t in threading.enumerate() if t is not threading.mai
     assert "interrupted" in out, err
     assert "threads 0" in out, out + err
     assert proc.returncode == 0
+
+
+class StuckAfter:
+    """A transform that, from its ``n``-th row on, blocks until ``release`` is set: user code that does not
+    return (``entered`` is set when the first row blocks)."""
+
+    def __init__(self, inner, n, release, entered=None):
+        self.inner, self.n, self.release, self.entered = inner, n, release, entered
+        self.calls, self.lock = 0, threading.Lock()
+
+    def __call__(self, row):
+        with self.lock:
+            self.calls += 1
+            stuck = self.calls >= self.n
+        if stuck:
+            if self.entered is not None:
+                self.entered.set()
+            self.release.wait(300)
+        return self.inner(row)
+
+
+@pytest.mark.slow
+def test_a_transform_stuck_in_user_code_times_out_next_and_close_is_bounded(corpus, caplog):
+    """next() raises after ``timeout``; close() then returns within its bound (a role stuck in a call is
+    named and left as a daemon thread, as Python cannot stop it) instead of waiting for the transform;
+    once the transform returns, the abandoned threads end: nothing is left behind."""
+    before = set(threading.enumerate())
+    release = threading.Event()
+    sources = make_sources(corpus)
+    sources[0] = ParquetSource("web", corpus.sources["web"],
+                               StuckAfter(Tokenize(corpus.spm_model, field=corpus.text_fields["web"]), 40, release))
+    loader = ol.OverlordLoader(sources, strategy_for("dp"), ol.ClientPlaceTree(dp=2), rank=None, global_batch=16,
+                               seq_len=None, image_token_id=corpus.image_token_id, workers={"web": 2}, timeout=2)
+    try:
+        with pytest.raises(TimeoutError, match="no step produced within 2 s"):
+            for _ in loader:
+                pass
+        closing = threading.Thread(target=loader.close, daemon=True)   # (without the bound: waits ~300 s)
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="torchdata_overlord"):
+            closing.start()
+            closing.join(30)
+        assert not closing.is_alive(), "close() did not return within 30 s of a stuck transform"
+        assert time.monotonic() - t0 < 20
+        assert "actor 'loader:web' is still in deliver()" in caplog.text
+    finally:
+        release.set()                                   # the transform returns: the threads left end on their own
+    for t in set(threading.enumerate()) - before:
+        t.join(30)
+    assert set(threading.enumerate()) <= before
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_promptly_while_a_transform_is_stuck(corpus):
+    """A Ctrl-C while a transform is stuck in user code: KeyboardInterrupt reaches the trainer and the
+    process exits within seconds (the stuck threads, the transform pool's too, are daemons that no exit
+    joins), instead of waiting for the transform."""
+    import signal
+
+    script = f"""
+import signal, sys, threading
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from test_loader import ParquetSource, StuckAfter, Tokenize, make_sources, ol, strategy_for
+from torchdata_overlord.sim.corpus import build_demo_corpus
+corpus = build_demo_corpus({str(Path(corpus.root))!r}, scale="test", seed=0)
+entered = threading.Event()
+sources = make_sources(corpus)
+sources[0] = ParquetSource("web", corpus.sources["web"],
+                           StuckAfter(Tokenize(corpus.spm_model, field=corpus.text_fields["web"]), 40, threading.Event(),
+                                      entered))
+threading.Thread(target=lambda: entered.wait() and print("stuck", flush=True), daemon=True).start()
+try:
+    with ol.OverlordLoader(sources, strategy_for("dp"), ol.ClientPlaceTree(dp=2), rank=None, global_batch=16,
+                           seq_len=None, image_token_id=corpus.image_token_id, workers={{"web": 2}}) as loader:
+        for _ in loader:
+            pass
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "stuck", proc.stderr.read() if proc.poll() is not None else ""
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert "interrupted" in out, err
+    assert proc.returncode == 0 and took < 20, (took, err)
+    assert "actor 'loader:web' is still in deliver()" in err
 
 
 def test_dynamic_schedule_feedback_through_the_loader_is_deterministic_and_resumable(corpus, tmp_path):

@@ -553,20 +553,29 @@ class OverlordLoader:
                                 f"a new loader to continue")
 
     def close(self) -> None:
-        """Stop the prefetch thread and the loaders' worker pools; idempotent."""
+        """Stop the prefetch thread and the roles (the loaders' worker pools, or the rpc worker processes);
+        idempotent. Bounded, also after a ``next()`` that timed out on a stuck source: with
+        ``runtime="local"`` within about 11 s (5 after a Ctrl-C), a role still in user code (a transform
+        that does not return, which Python cannot stop) being named in a warning and left running as a
+        daemon thread that does not keep the process from exiting."""
+        self._close()
+
+    def _close(self, interrupted: bool = False) -> None:
+        """``interrupted``: on a Ctrl-C (a ``with`` block left by ``KeyboardInterrupt``), the local roles are
+        not waited for (only their threads, 5 s at most), so the interrupt reaches the trainer at once."""
         if self._closed:
             return
         self._closed = True
         try:
             self._stop_producer()
         finally:
-            self._job.close()
+            self._job.close(interrupted)
 
     def __enter__(self) -> "OverlordLoader":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self._close(interrupted=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
 
     def __del__(self):
         try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import operator
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
 import numpy as np
@@ -29,6 +28,7 @@ from ..plane.records import BufferMeta
 from ..sources.base import SKIPPED, SourceReadError, positions
 from .constructor import _text_ids, sequence_length
 from .meta_slots import MetaSlots
+from .transform_pool import TransformPool
 
 __all__ = ["SourceLoader", "record_bytes"]
 
@@ -124,6 +124,7 @@ class SourceLoader(BaseNode[tuple]):
     SOURCE_STATE = "source"          # source position before the oldest buffered sample
     TAKEN = "taken"                  # indices consumed after that position (out-of-order takes)
     EPOCH_LOG = "epochs_started"
+    POOL_STOP_WAIT = 5.0             # seconds close() waits for the transform threads (a stuck one is left: see TransformPool)
 
     def __init__(self, source, buffer_size: int, workers: int = 0, image_token_id: int | None = None):
         super().__init__()
@@ -133,7 +134,7 @@ class SourceLoader(BaseNode[tuple]):
             raise ConfigError(f"source {source.name!r}: workers must be an integer >= 0, got {workers!r}")
         self.source, self.name = source, source.name
         self.buffer_size, self.workers, self.image_token_id = buffer_size, workers, image_token_id
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"overlord-{self.name}") if workers else None
+        self._pool = TransformPool(workers, f"overlord-{self.name}") if workers else None
         # index -> (record, source position before reading it, read sequence number, slot of its metadata row in
         # self._meta, read-order key or -1), oldest first
         self._buffer: OrderedDict[int, tuple[Any, Any, int, int, int]] = OrderedDict()
@@ -365,8 +366,8 @@ class SourceLoader(BaseNode[tuple]):
     def close(self) -> None:
         self._buffer.clear()
         self._meta.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._pool is not None:          # (a thread stuck in a transform is left, said, and does not block exit)
+            self._pool.shutdown(self.POOL_STOP_WAIT)
             self._pool = None
         self.source.close()
 

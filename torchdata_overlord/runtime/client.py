@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -82,6 +83,7 @@ class Job(ClientRecovery):
         self._stop_notice = threading.Event()   # set with _stopped
         self._final_stats: dict | None = None
         self._running = False               # every role started
+        self._close_by: float | None = None  # a deadline for close()'s waits on the roles (LocalJob sets one)
 
     def _connected(self) -> None:
         """Every role is started (or joined): listen for the coordinator stopping the job."""
@@ -261,11 +263,13 @@ class Job(ClientRecovery):
         stats as the close began (they are gone), this client's final ones, and ``"closed": True``."""
         return closed_stats(self) if self._closed else job_stats(self)
 
-    def close(self) -> None:
+    def close(self, interrupted: bool = False) -> None:
         """Leave the job, first keeping what :meth:`stats` says (bounded). A client of a launched job
         tells the launcher and leaves, another client of a trainer group just leaves; client 0 of a
         job it started first waits (up to the timeout) for the other clients to close it, then closes
-        the roles (bounded, errors ignored) and stops the workers (unless another job shares them)."""
+        the roles (bounded, errors ignored) and stops the workers (unless another job shares them).
+        ``interrupted``: closing on a Ctrl-C (see :meth:`.local.LocalJob.close`; the worker processes of
+        an rpc job are stopped the same way either way)."""
         if self._closed:
             return
         self._final_stats = snapshot(self)
@@ -282,14 +286,23 @@ class Job(ClientRecovery):
             if self._own_transport and self.transport is not None:
                 self.transport.stop()
             for t in list(getattr(self._recovery, "_threads", ())):
-                t.join(self.timeout)         # a recovery under way ends: its calls now fail at once
+                t.join(self._close_wait(self.timeout))    # a recovery under way ends: its calls now fail at once
+
+    def _close_wait(self, bound: float) -> float:
+        """How long one wait of :meth:`close` may take: ``bound``, cut to what is left before the close's
+        deadline where it has one (0: do not wait)."""
+        if self._close_by is None:
+            return bound
+        return max(0.0, min(bound, self._close_by - time.monotonic()))
 
     def _leader_leaves(self) -> None:
         """Tell the constructors no step this leader has not asked for will be planned: another client waiting
         for one learns it at once, instead of after its timeout (and a launched job's other trainers leave)."""
         reason = ("client 0 (the leader, whose requests plan the steps) closed its loader: no step after those it "
                   "asked for will be planned; every trainer rank must run the same number of steps")
-        t = min(self.timeout, 5.0)
+        t = self._close_wait(min(self.timeout, 5.0))
+        if t <= 0:
+            return
         futs = []
         for name in self._constructors:
             try:

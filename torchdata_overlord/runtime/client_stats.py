@@ -25,14 +25,16 @@ def serving(job) -> tuple[dict[str, str], dict]:
     return roles, info
 
 
-def job_stats(job) -> dict:
-    """See :meth:`~.client.Job.stats`."""
+def job_stats(job, wait: float | None = None) -> dict:
+    """See :meth:`~.client.Job.stats`; ``wait``: how long to wait for the roles' answers (default: the
+    call timeout, plus 5 s)."""
+    wait = job.timeout + 5 if wait is None else wait
     roles, info = serving(job)
     refs = {r: ActorRef(job.transport, a, job.timeout) for r, a in roles.items()}
     got, unanswered = {}, {}
 
     def ask(futs: dict) -> None:
-        cf.wait(list(futs.values()), timeout=job.timeout + 5)
+        cf.wait(list(futs.values()), timeout=wait)
         for (kind, r), fut in futs.items():
             try:
                 got[kind, r] = fut.result(timeout=0)
@@ -106,13 +108,14 @@ def by_source(loaders: dict[str, dict], counts: dict[str, int]) -> dict[str, dic
 
 def snapshot(job) -> dict | None:
     """The stats as :meth:`~.client.Job.close` begins, for ``stats()`` after it: only when the job had
-    no failure and its Planner answers within a few seconds (a close never waits on a lost role)."""
-    t = min(job.timeout, 5.0)
+    no failure and its Planner answers within a few seconds (a close never waits on a lost role; under a
+    close's deadline, :class:`~.local.LocalJob`'s, a role busy in a call that long is listed as unanswered)."""
+    t = job._close_wait(min(job.timeout, 5.0))
     try:
-        if not job._running or job._stopped is not None or job.faults["failures"]:
+        if not job._running or job._stopped is not None or job.faults["failures"] or t <= 0:
             return None
         job.planner.roles(timeout=t).result(t + 1)
-        return job_stats(job)
+        return job_stats(job, wait=None if job._close_by is None else job._close_wait(t))
     except Exception:                    # noqa: BLE001 - diagnostics only: close anyway
         return None
 

@@ -5,6 +5,7 @@ every recovery path). It keeps the contract written at the top of ``transport.py
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import os
 import queue
 import threading
@@ -16,6 +17,7 @@ from .transport import (ActorDied, CallTimeout, Deadlines, Transport, TransportC
                         settle)
 
 __all__ = ["InProcessTransport"]
+log = logging.getLogger("torchdata_overlord")
 
 
 class _ActorThread:
@@ -25,6 +27,7 @@ class _ActorThread:
 
     def __init__(self, name: str, obj: object, guard: threading.Lock):
         self.name, self.obj, self.killed = name, obj, False
+        self.busy: tuple[str, float] | None = None     # (method, since when) of the call it runs on its thread
         self.deferred: set[cf.Future] = set()      # answers still owed (a killed actor owes none)
         self.running = threading.Lock()            # held while one of its calls runs, on any thread
         self.guard, self.pending = guard, 0        # calls queued and not finished (under ``guard``)
@@ -41,7 +44,11 @@ class _ActorThread:
                     self._release()
                 return
             with self.running:
-                self.execute(*item)
+                self.busy = (item[1], time.monotonic())
+                try:
+                    self.execute(*item)
+                finally:
+                    self.busy = None
             with self.guard:
                 self.pending -= 1
 
@@ -101,7 +108,10 @@ class InProcessTransport(Transport):
     """Actors are objects in this process; each runs its calls on its own (daemon) thread.
 
     Arguments and results are passed by reference, not copied. ``stop()`` asks each actor thread
-    to finish after its queued calls and waits up to ``stop_timeout`` seconds in all.
+    to finish after its queued calls and waits up to ``stop_timeout`` seconds in all; an actor still
+    in a call then (user code that does not return, e.g. a source's transform) is named in a warning
+    and left: its thread is a daemon, so it does not keep the process from exiting, and it ends on its
+    own once the call returns (Python cannot stop a thread).
     """
 
     def __init__(self, stop_timeout: float = 5.0):
@@ -169,6 +179,11 @@ class InProcessTransport(Transport):
     def peers(self) -> "InProcessTransport":
         return self
 
+    def actor_names(self) -> list[str]:
+        """Every actor started and not killed (replacements and resharded parts included)."""
+        with self._lock:
+            return [n for n in self._actors if n not in self._killed]
+
     def actor(self, name: str) -> object:
         """The object behind actor ``name`` (instrumenting and debugging: in this process only)."""
         return self._actors[name].obj
@@ -215,3 +230,11 @@ class InProcessTransport(Transport):
         for a in actors:
             a.thread.join(max(0.0, deadline - time.monotonic()))
         self._deadlines.close()
+        now = time.monotonic()
+        for a in actors:
+            busy = a.busy
+            if a.thread.is_alive() and busy is not None:
+                log.warning("actor %r is still in %s() after %.0f s (thread %r): in user code that does not return "
+                            "(a source's transform or read), or waiting for an actor that is; left running as a daemon "
+                            "thread, which does not keep the process from exiting, and stops once the call returns",
+                            a.name, busy[0], now - busy[1], a.thread.name)

@@ -10,11 +10,14 @@ its client asks for, so each rank builds only its own.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import time
 from typing import Callable, Iterable, Mapping
 
 from ..plane.place_tree import ClientPlaceTree
 from .client import Job, StepResult
 from .job_config import RoleConfig, start_roles
+from .refs import ActorRef
 from .step import SourceExhausted
 from .inprocess import InProcessTransport
 
@@ -30,7 +33,10 @@ class LocalJob(Job):
     Source Loaders per source (see :mod:`~torchdata_overlord.roles.loader_parts`; the stream is the same);
     ``placement``: a :class:`~torchdata_overlord.scaling.Placement` whose actors and workers to use;
     ``autoscale``: resize sources' loader actors as the mixture moves (only with a profiled placement).
+    :meth:`close` is bounded (see there), also when a role is stuck in user code.
     """
+
+    CLOSE_WAIT = 5.0         # seconds close() waits at most for the roles (then the actor threads get 5 s to stop)
 
     def __init__(self, sources: Iterable, strategy: Callable, mesh: ClientPlaceTree, global_batch: int,
                  seq_len: int | None, seed: int = 0, buffer_size: int | Mapping[str, int] | None = None,
@@ -51,6 +57,30 @@ class LocalJob(Job):
         except BaseException:
             self.close()
             raise
+
+    def close(self, interrupted: bool = False) -> None:
+        """Close every role and stop its thread, within ``min(timeout, 5)`` s (about a second more for the
+        stats snapshot) plus 5 s for the threads to stop (after a Ctrl-C, ``interrupted``: the 5 s only,
+        nothing graceful). A role still in a call then
+        (a transform or read in user code that does not return, which Python cannot stop) is named in a
+        warning and left running as a daemon thread: it does not keep the process from exiting, and ends
+        (closing its role) once the call returns."""
+        if not self._closed:
+            self._close_by = time.monotonic() + (0.0 if interrupted else min(self.timeout, self.CLOSE_WAIT))
+        super().close(interrupted)
+
+    def _close_roles(self) -> None:
+        """Close every actor of the transport (it knows them all: replacements and resharded parts too)
+        without asking the Planner which, as a job of several processes does: the Planner may be waiting on
+        a stuck role. Each close runs after the call its actor runs; the transport's stop names the actors
+        still in one."""
+        futs = []
+        for name in self.transport.actor_names():
+            try:
+                futs.append(ActorRef(self.transport, name, self.timeout).close())
+            except Exception:        # noqa: BLE001 - best effort: stop() follows
+                pass
+        cf.wait(futs, timeout=self._close_wait(self.timeout))
 
     def actor(self, name: str):
         """The object behind actor ``name`` (``"planner"``, ``"loader:<source>"``, ``"constructor:0"``):

@@ -44,11 +44,14 @@ class SkipLog:
             entry = self._entries.get((file, row))
             if entry is None:
                 entry = self._entries[file, row] = {"file": file, "row": row, "error": error, "count": 0,
-                                                    "last_epoch": None}
-            elif entry["last_epoch"] is not None and epoch <= entry["last_epoch"]:
+                                                    "epochs": set()}
+            # the epochs counted, not the latest: a row read again in a rebuild is counted once per epoch, and
+            # two epochs' skips of one row transformed concurrently (one refill) count both in either order
+            if epoch in entry["epochs"]:
                 return                              # this epoch's skip of it is counted already
+            entry["epochs"].add(epoch)
             entry["count"] += 1
-            entry["last_epoch"], entry["error"] = epoch, error
+            entry["error"] = error
             self.total += 1
             self._pending += 1
             self._latest = f"{file}{'' if row is None else f' row {row}'}: {error}"
@@ -84,7 +87,7 @@ class SkipLog:
         """One dict per skipped file/row: ``file``, ``row`` (None: the whole file), ``error`` (the
         latest), ``count`` (epochs it was skipped in)."""
         with self._lock:
-            return [{k: v for k, v in e.items() if k != "last_epoch"} for e in self._entries.values()]
+            return [{k: v for k, v in e.items() if k != "epochs"} for e in self._entries.values()]
 
     def stats(self) -> dict:
         """``{"skipped": total, "skipped_distinct": files/rows, "skipped_files": {file: count}}``, exact; the
