@@ -236,6 +236,28 @@ def test_killing_the_leaders_constructor_is_noticed_without_waiting_for_the_othe
         t.stop()
 
 
+def test_the_checkpoint_store_stays_bounded_over_a_long_run(corpus, tmp_path):
+    """Every role's checkpoints are kept to the last few, whatever the steps: the constructors' (where the
+    clients are, written at every step) piled up, one file per step per constructor, never collected."""
+    from test_rpc_job import job_kwargs, make_mesh, make_sources, vlm_strategy
+
+    t = InProcessTransport()
+    root, steps, every = tmp_path / "ckpt", 24, 4
+    job = RpcJob(make_sources(corpus), vlm_strategy, make_mesh(), transport=t, spares=1, checkpoint_dir=str(root),
+                 snapshot_every=every, timeout=SLOW_CALLS, **job_kwargs(corpus))
+    try:
+        for _ in range(steps):
+            job.submit().result(STEP_BOUND)
+    finally:
+        job.close()
+        t.stop()
+    kept = {str(d.relative_to(root)): len(list(d.glob("step-*.ckpt"))) for d in root.rglob("*") if d.is_dir()}
+    kept = {k: n for k, n in kept.items() if n}
+    assert {k for k in kept if k.startswith("constructor/")} == {"constructor/0", "constructor/1"}, kept
+    assert all(n <= 2 for k, n in kept.items() if not k.startswith("planner")), kept
+    assert kept["planner"] <= 2 * every + 2, kept          # the consumption log since the older loader snapshot
+
+
 def test_random_roles_killed_at_random_steps_in_process(corpus, tmp_path):
     """The same recovery logic on the in-process transport, randomised: several kills per run, and
     no step waits out a call timeout."""

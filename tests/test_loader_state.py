@@ -232,3 +232,35 @@ torch.save({{"state": state, "refused": refused, "items": head + tail}}, {str(ou
     with loader_with(corpus, WEIGHTS) as local:                     # the rpc state loads into runtime="local"
         local.load_state_dict(got["state"])
         assert_identical(next(iter(local)), stream[2])
+
+
+def test_a_source_cycled_for_many_epochs_keeps_a_bounded_state(corpus, tmp_path):
+    """A state lists the latest epochs each source started, not all of them: a small source cycled for a
+    long run added one entry per epoch to every state, checkpoint and stats() forever. The stream resumed
+    from such a state is the uninterrupted one."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from torchdata_overlord.roles.source_loader import SourceLoader
+
+    path = tmp_path / "tiny.parquet"
+    pq.write_table(pa.table({"text": [f"line {i} of a tiny source" for i in range(6)]}), path, row_group_size=2)
+
+    def loader():
+        src = ol.ParquetSource("tiny", str(path), ol.Tokenize(corpus.spm_model, field="text"))
+        return ol.OverlordLoader([src], dp_strategy({"tiny": 1.0}), ol.ClientPlaceTree(**MESH), rank=None,
+                                 global_batch=6, seq_len=None)
+
+    steps, more = 2 * SourceLoader.EPOCHS_KEPT + 3, 4
+    with loader() as a:
+        head = [x for _, x in zip(range(steps), a)]
+        state = a.state_dict()
+        epochs = json.loads(state["job"])["loaders"]["tiny"]["epochs_started"]
+        assert len(a.stats()["sources"]["tiny"]["epochs_started"]) == SourceLoader.EPOCHS_KEPT     # (read ahead)
+        tail = [x for _, x in zip(range(more), a)]
+    assert len(epochs) == SourceLoader.EPOCHS_KEPT
+    assert epochs == list(range(epochs[-1] - len(epochs) + 1, epochs[-1] + 1)) and epochs[-1] >= steps - 1
+    with loader() as b:
+        b.load_state_dict(state)
+        assert_identical([x for _, x in zip(range(more), b)], tail)
+    assert keys_of(head)                                   # (the tiny source did deliver)

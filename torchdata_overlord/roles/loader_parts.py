@@ -65,7 +65,7 @@ def merge_states(states: list[dict]) -> dict:
     floor = (g0 << 32) | r0
     taken = sorted({(int(i), int(o)) for st in states for i, o in st[T] if o < 0 or o >= floor})
     return {S: {**srcs[m], "ahead": [[g, r] for g, r in sorted(ahead.items())]},
-            T: [list(t) for t in taken], E: sorted({e for st in states for e in st[E]})}
+            T: [list(t) for t in taken], E: sorted({e for st in states for e in st[E]})[-SourceLoader.EPOCHS_KEPT:]}
 
 
 class Parts:

@@ -124,6 +124,8 @@ class SourceLoader(BaseNode[tuple]):
     SOURCE_STATE = "source"          # source position before the oldest buffered sample
     TAKEN = "taken"                  # indices consumed after that position (out-of-order takes)
     EPOCH_LOG = "epochs_started"
+    EPOCHS_KEPT = 16                 # the epochs_started a state and stats() list: the latest (a source cycled for
+                                     # a million steps would otherwise carry thousands in every state)
     POOL_STOP_WAIT = 5.0             # seconds close() waits for the transform threads (a stuck one is left: see TransformPool)
 
     def __init__(self, source, buffer_size: int, workers: int = 0, image_token_id: int | None = None):
@@ -164,7 +166,7 @@ class SourceLoader(BaseNode[tuple]):
             i, order = (int(t[0]), int(t[1])) if isinstance(t, (list, tuple)) else (int(t), -1)
             if order < 0 or self.source.owns(order):       # a part keeps only its own units' takes
                 self._taken[i] = (None, order)
-        self.epochs_started = list(state[self.EPOCH_LOG])
+        self.epochs_started = list(state[self.EPOCH_LOG])[-self.EPOCHS_KEPT:]
         self._base = self._here()
         self._productive_at = self.source.rows_passed   # where the last read round buffered something
 
@@ -211,7 +213,7 @@ class SourceLoader(BaseNode[tuple]):
                 log.info("source %r: exhausted after epoch %d", self.name, self.source.epoch - 1)
                 break
             if self.source.epoch > max(self.epochs_started):     # (a rebuild re-reads epochs already logged)
-                self.epochs_started.append(self.source.epoch)
+                self.epochs_started = self.epochs_started[1 - self.EPOCHS_KEPT:] + [self.source.epoch]
                 log.info("source %r: starting epoch %d with a new order", self.name, self.source.epoch)
             self._seq += 1
             order = self.source.last_order if self.ordered else -1
@@ -343,9 +345,9 @@ class SourceLoader(BaseNode[tuple]):
         return self.get_state()
 
     def stats(self) -> dict:
-        """Buffer size and bytes, samples served, row groups read, epochs started, exhaustion, and the exact skip counts
-        since this loader started (``skipped``: files/rows skipped, once per epoch; ``skipped_distinct``: how many
-        files/rows; ``skipped_files``: the files skipped whole)."""
+        """Buffer size and bytes, samples served, row groups read, the latest epochs started (:data:`EPOCHS_KEPT`),
+        exhaustion, and the exact skip counts since this loader started (``skipped``: files/rows skipped, once per
+        epoch; ``skipped_distinct``: how many files/rows; ``skipped_files``: the files skipped whole)."""
         return {"buffered": len(self._buffer), "buffer_bytes": self.buffer_bytes, "served": self.served,
                 "row_groups_read": getattr(self.source, "reads", None),
                 "epochs_started": list(self.epochs_started), "exhausted": self.exhausted, **self.skip_stats()}

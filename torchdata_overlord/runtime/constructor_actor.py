@@ -177,7 +177,9 @@ class ConstructorActor(RoleActor):
             for s in [s for s in self.steps if s < below]:
                 del self.steps[s]
         if self.store is not None:          # where the clients are: a replacement resumes from here
-            self.store.put(f"constructor/{self.index}", below, {"released": below, "generation": gen})
+            key = f"constructor/{self.index}"
+            self.store.put(key, below, {"released": below, "generation": gen})
+            self.store.gc(key, keep=2)      # the newest (and the one before, should it be torn) is all it reads
 
     # -- from the clients ---------------------------------------------------------------------
     def fetch(self, gen: int, step: int, ranks: list, client: int | None, consumed: int, lead: bool = False,
