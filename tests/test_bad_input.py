@@ -198,6 +198,31 @@ def test_a_bad_strategy_is_refused_where_the_loader_is_made(corpus, runtime, str
                           seq_len=None, runtime=runtime, **args)
 
 
+def web_only(g):
+    return g.mix({"web": 1}).distribute("DP").plan()
+
+
+@pytest.mark.parametrize("runtime", ["local", "rpc"])
+@pytest.mark.parametrize("kw, pattern", [
+    ({"workers": {"caps": 4}}, r"workers= names unknown sources \['caps'\]; sources are \['web'\]"),
+    ({"buffer_size": {"wbe": 8}}, r"buffer_size= names unknown sources \['wbe'\]"),
+    ({"rank": 2}, r"rank 2 is outside the mesh's 2 ranks .*: rank is this trainer's rank .* the mesh must be the "
+                  r"trainers' own"),
+    ({"twice": True}, r"sources: more than one source is named 'web'; give each source a name of its own"),
+], ids=["workers", "buffer-size", "rank", "duplicate-name"])
+def test_a_bad_argument_is_named_with_what_to_do(corpus, runtime, kw, pattern):
+    """The user's mistakes in loader arguments name the argument: a {source: value} dict naming no source
+    said only "settings", and two sources of one name were blamed on "the strategy" and its "buffers"."""
+    from test_loader import make_sources
+    sources = make_sources(corpus, names=("web",))
+    kw = dict(kw)                                          # (the parameter's dict is shared by both runtimes)
+    if kw.pop("twice", False):
+        sources = sources + make_sources(corpus, names=("web",))
+    args = {"global_batch": 4, "rank": None, **kw}
+    with pytest.raises(ol.ConfigError, match=pattern):
+        ol.OverlordLoader(sources, web_only, ol.ClientPlaceTree(dp=2), seq_len=None, runtime=runtime, **args)
+
+
 class _Later(ol.Schedule):
     """Names 'code' from step 3 only (a user's schedule: its sources() sees step 0)."""
 

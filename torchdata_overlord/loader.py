@@ -103,6 +103,15 @@ class FaultTolerance:
                 "timeout": self.call_timeout, "recovery_timeout": self.recovery_timeout}
 
 
+def _world_note() -> str:
+    """What torch.distributed says of the trainer processes, for an error about ranks ("" when not initialised)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return f" (torch.distributed has {dist.get_world_size()} processes here)"
+    return ""
+
+
 class OverlordLoader:
     """``OverlordLoader(sources, strategy, mesh, rank, global_batch, seq_len, runtime="local", ...)``.
 
@@ -169,7 +178,10 @@ class OverlordLoader:
         if not isinstance(mesh, ClientPlaceTree):
             raise ConfigError(f"mesh must be a ClientPlaceTree, got {type(mesh).__name__}")
         if rank is not None and not (isinstance(rank, int) and 0 <= rank < mesh.world_size):
-            raise ConfigError(f"rank {rank!r} is outside the mesh's {mesh.world_size} ranks ({mesh.describe()})")
+            raise ConfigError(f"rank {rank!r} is outside the mesh's {mesh.world_size} ranks ({mesh.describe()}): "
+                              f"rank is this trainer's rank in the mesh (e.g. dist.get_rank()), so the mesh must be "
+                              f"the trainers' own: its sizes multiply to the number of trainer processes"
+                              + _world_note())
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"prefetch must be an integer >= 0 (0: each next() builds its own step), got {prefetch!r}")
         if not timeout > 0:
@@ -183,6 +195,11 @@ class OverlordLoader:
                     isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
                 raise ConfigError(f"{name} must be a token id, an integer >= 0 (an embedding row), got {value!r}")
         sources = list(sources)
+        names = [getattr(s, "name", s) for s in sources]
+        twice = sorted({n for n in names if names.count(n) > 1}, key=str)
+        if twice:
+            raise ConfigError(f"sources: more than one source is named {', '.join(map(repr, twice))}; give each source "
+                              f"a name of its own (the name the strategy's schedules mix it by)")
         self.mesh, self.rank, self.prefetch, self.timeout = mesh, rank, prefetch, float(timeout)
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
         if pin_memory and not self.pin_memory:
@@ -201,7 +218,6 @@ class OverlordLoader:
         elif placement != "auto":
             extra = dict(placement=placement, autoscale=autoscale)
         check_clients_cover_mesh(mesh, rank, group)        # no mesh rank left without a trainer process
-        names = [getattr(s, "name", s) for s in sources]
         check_strategy(strategy, mesh, names, global_batch, seed)
         self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,
                                       buffer_size=buffer_size, workers=workers, image_token_id=image_token_id,

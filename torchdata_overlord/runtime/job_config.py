@@ -47,11 +47,12 @@ def source_settings(names: list[str]) -> Callable:
     if len(set(names)) != len(names):
         raise ConfigError(f"source names must be unique, got {names}")
 
-    def get(value, name, default):
+    def get(value, name, default, what="settings"):
         if isinstance(value, Mapping):
             unknown = set(value) - set(names)
             if unknown:
-                raise ConfigError(f"settings name unknown sources {sorted(unknown)}; sources are {names}")
+                raise ConfigError(f"{what} names unknown sources {sorted(unknown)}; sources are {names} (a "
+                                  f"{{source: value}} dict names sources of the loader)")
             return value.get(name, default)
         return default if value is None else value
     return get
@@ -183,8 +184,10 @@ class RoleConfig:
             raise ConfigError(f"the placement places {placed} Data Constructor(s) but the job has constructors={c}: "
                               f"place one process per constructor (Placement.constructors) or pass "
                               f"constructors={placed}")
-        self.parts = Parts(self.names, {n: self.get(self.actors, n, 1) for n in self.names},
-                           {n: self.get(self.buffer_size, n, self.global_batch) for n in self.names})
+        self.parts = Parts(self.names, {n: self.get(self.actors, n, 1, "actors=") for n in self.names},
+                           {n: self.get(self.buffer_size, n, self.global_batch, "buffer_size=") for n in self.names})
+        for n in self.names:
+            self.get(self.workers, n, 0, "workers=")
         if isinstance(self.clients, bool) or not isinstance(self.clients, int) or not 1 <= self.clients:
             raise ConfigError(f"clients must be an integer >= 1, got {self.clients!r}")
         if self.strategy is not None and not self.in_process:     # None: a client of a launched job
