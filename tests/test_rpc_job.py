@@ -463,7 +463,7 @@ def test_a_killed_trainer_leaves_no_role_process_behind(corpus, tmp_path, kill):
     """SIGKILL the trainer process mid-run, or SIGTERM its whole process group (as ``timeout`` or a
     scheduler's cancel does: the fork server and the roles get it too): its RPC worker processes (the
     roles) must exit, and the fork server's socket folder (``pymp-*``, which a trainer removes only when
-    it exits) goes too."""
+    it exits) goes too, with the session's rendezvous store (``overlord-rpc-*``: it stayed, one per job)."""
     import signal
     import time
 
@@ -481,6 +481,7 @@ next(it)
 import multiprocessing.util
 print(" ".join(str(p) for p in set(loader.stats()["roles"].values())), flush=True)
 print(multiprocessing.util.get_temp_dir(), flush=True)
+print(loader._job.transport.session.tmp, flush=True)
 for _ in it:
     pass
 """
@@ -493,6 +494,8 @@ for _ in it:
         folder = proc.stdout.readline().strip()
         assert os.path.basename(folder).startswith("pymp-") and any(
             n.startswith("listener-") for n in os.listdir(folder)), folder     # the fork server's socket
+        store = proc.stdout.readline().strip()                   # the session's rendezvous store
+        assert os.path.basename(store).startswith("overlord-rpc-") and os.path.isdir(store), store
         if kill == "SIGKILL the trainer":
             proc.send_signal(signal.SIGKILL)
         else:
@@ -508,6 +511,7 @@ for _ in it:
         while os.path.exists(folder) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not os.path.exists(folder), f"{folder} outlived the killed trainer: {os.listdir(folder)}"
+        assert not os.path.exists(store), f"{store} outlived the killed trainer"
     finally:
         if proc.poll() is None:
             proc.kill()

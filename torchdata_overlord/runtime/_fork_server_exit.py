@@ -3,7 +3,7 @@ process that started it is gone, it removes its listening socket, and the socket
 
 multiprocessing puts that socket in a ``pymp-*`` folder of the temporary folder, which the process that made
 the folder removes when it exits normally; a trainer that is killed (SIGKILL, the OOM killer, a preempted
-job) left both behind. The server exits once the process that started it is gone, however it ended (its
+job) left both behind, and the rpc sessions' rendezvous stores the trainer keeps there (``overlord-rpc-*``). The server exits once the process that started it is gone, however it ended (its
 ``alive`` pipe reads end-of-file), and then cleans up after it. While that process lives (a normal exit: it
 removes its folder itself, after the server's socket) the server leaves everything as it is, and the
 folder stays while anything else is in it (a folder a process inherited from a parent is shared with
@@ -21,6 +21,7 @@ parent (the parent pid alone where there are no pidfds).
 import atexit
 import os
 import select
+import shutil
 import signal
 import socket
 
@@ -54,7 +55,15 @@ def _starter_gone(parent: int, pidfd: int | None, wait: float = 0.0) -> bool:
 def _clean(path: str, pid: int, parent: int, pidfd: int | None) -> None:
     if os.getpid() != pid or not _starter_gone(parent, pidfd):   # a child, or the starter lives (and cleans up)
         return
-    for remove, what in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
+    folder = os.path.dirname(path)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        names = []
+    for name in names:                                      # its sessions' rendezvous stores (rpc_session)
+        if name.startswith("overlord-rpc-"):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+    for remove, what in ((os.unlink, path), (os.rmdir, folder)):
         try:
             remove(what)
         except OSError:                                     # gone already, or the folder holds more

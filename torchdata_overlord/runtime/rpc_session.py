@@ -105,6 +105,21 @@ def _ensure_fork_server() -> None:
                           f"({e}); set TMPDIR to a shorter folder (e.g. /tmp)") from e
 
 
+SESSION_PREFIX = "overlord-rpc-"     # a session's folder (its rendezvous file store)
+
+
+def _session_folder(start_method: str) -> str:
+    """A new folder for a session's rendezvous store: under the fork server's ``pymp-*`` folder when the
+    workers come from it, since the server removes it after a trainer that was killed (SIGKILL, the OOM
+    killer), with its socket (:mod:`._fork_server_exit`); else in the temporary folder. A trainer that
+    exits removes it itself."""
+    base = None
+    if start_method == "forkserver":
+        from multiprocessing import util
+        base = util.get_temp_dir()
+    return tempfile.mkdtemp(prefix=SESSION_PREFIX, dir=base)
+
+
 def prestart_fork_server() -> None:
     """Start the fork server now (it returns at once; the server imports :data:`PRELOAD`, mostly torch,
     seconds on a small machine, in its own process), so that import overlaps what this process does
@@ -293,7 +308,7 @@ class RpcSession:
     @classmethod
     def _spawn(cls, n_workers: int, clients: int, startup_timeout: float, rpc_timeout: float, stop_timeout: float,
                start_method: str, on_rendezvous: Callable[[dict], None] | None) -> "RpcSession":
-        tmp = tempfile.mkdtemp(prefix="overlord-rpc-")
+        tmp = _session_folder(start_method)
         rv = {"session": uuid.uuid4().hex, "init_method": f"file://{os.path.join(tmp, 'store')}",
               "world_size": n_workers + clients, "n_workers": n_workers, "rpc_timeout": rpc_timeout,
               "env": dict(LOOPBACK_ENV)}
