@@ -104,6 +104,13 @@ def trainer(tmp_path, corpus, port, rank, steps, pause=0.0, mesh=None, host="127
     return proc, out
 
 
+def kill_left(procs) -> None:
+    """SIGKILL whichever of ``procs`` still runs (a test that failed midway leaves nothing behind)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
 def finish(procs, timeout):
     """Wait for every process (bounded); kill what is left; return (returncode, stderr) per process."""
     deadline, out = time.monotonic() + timeout, []
@@ -238,9 +245,7 @@ def test_a_launched_job_ends_cleanly_on_faults(corpus, tmp_path, fault):
         results = finish([node] + [p for p, _ in trainers], 60)
         assert time.monotonic() - t0 < 45
     finally:
-        for p in [node] + [p for p, _ in trainers]:
-            if p.poll() is None:
-                p.kill()
+        kill_left([node] + [p for p, _ in trainers])
     # the launcher says the job failed (a killed one says nothing)
     assert results[0][0] == (-signal.SIGKILL if fault == "kill the launcher" else 1), results[0][1][-2000:]
     assert all("TIMEOUT" not in err for _, err in results)           # nobody hung
@@ -278,9 +283,7 @@ def test_a_launched_job_outlives_its_launchers_fork_server(corpus, tmp_path):
         os.kill(fork_server_of(node.pid), signal.SIGKILL)
         results = finish([client, node], 120)
     finally:
-        for p in (client, node):
-            if p.poll() is None:
-                p.kill()
+        kill_left([client, node])
     assert all(rc == 0 for rc, _ in results), [err[-3000:] for _, err in results]
     assert "died; stopping every role" not in results[1][1], results[1][1][-3000:]
     assert "the multiprocessing fork server that started the role workers died" in results[1][1], results[1][1][-3000:]
@@ -346,9 +349,7 @@ def test_a_follower_node_that_fails_ends_the_job_as_node_0_would(corpus, tmp_pat
         results = finish(procs, 60)
         took = time.monotonic() - t0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        kill_left(procs)
     why = {"kill a node-1 worker": f"(pid {node1_workers[0]}, exited with code -9)'] on node 1 died",
            "kill node 1's launcher": "the launcher of node(s) [1] is gone",
            "terminate node 1's launcher": "node 1's launcher was interrupted (Ctrl-C or SIGTERM)"}[fault]
@@ -376,15 +377,12 @@ def test_a_follower_worker_that_dies_during_start_up_is_reported_at_once(corpus,
     try:
         workers = [forked_workers(n.pid, 2) for n in nodes]
         assert all(len(w) == 2 for w in workers), workers
-        time.sleep(1.0)                                       # the workers are joining the group
         t0 = time.monotonic()
         os.kill(workers[1][0], signal.SIGKILL)
         results = finish(nodes, 60)
         took = time.monotonic() - t0
     finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
+        kill_left(nodes)
     (rc0, err0), (rc1, err1) = results
     assert rc0 == 1 and rc1 == 1, [err[-3000:] for _, err in results]
     errors = [line for line in err0.splitlines() if line.startswith("torchdata_overlord.launch:")]
