@@ -322,3 +322,50 @@ def test_a_rank_asking_past_a_closed_leaders_steps_is_told_at_once(corpus, tmp_p
     assert second["steps"] == list(range(len(second["steps"]))) and 3 <= len(second["steps"]) < 12
     assert second["error"][0] == "JobClosed" and "closed its loader: no step after those it asked for" in \
         second["error"][1], second
+
+
+def _role_killed_trainer(rank: int, root: str, out_dir: str) -> None:
+    """Two ranks, no fault tolerance, a call timeout of 60 s; rank 0 SIGKILLs the one role process after 3 steps
+    and both ranks read on: when does each rank's next() raise, and its loader's close end?"""
+    import torch.distributed as dist
+
+    from torchdata_overlord.runtime import faults
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg-killed", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    corpus = build_demo_corpus(root, scale="test", seed=0)
+    out = {"steps": []}
+    try:
+        with ol.OverlordLoader(make_sources(corpus), group_strategy, ol.ClientPlaceTree(dp=2), rank=rank,
+                               global_batch=GLOBAL_BATCH, seq_len=None, image_token_id=corpus.image_token_id,
+                               runtime="rpc", group="default", n_workers=1, prefetch=2, timeout=60) as loader:
+            for item in zip(range(40), loader):
+                out["steps"].append(item[1]["step"])
+                if rank == 0 and len(out["steps"]) == 3:
+                    out["killed_at"], out["killed"] = time.time(), faults.kill_role(loader, "planner")
+                elif rank == 1 and len(out["steps"]) >= 3:
+                    time.sleep(0.2)      # rank 0 kills the roles while rank 1 still reads (on 2 noisy cores)
+    except Exception as e:       # noqa: BLE001 - what the rank is told
+        out["error"] = (type(e).__name__, str(e))
+    out["closed_at"] = time.time()
+    torch.save(out, f"{out_dir}/killed-{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_killed_role_process_without_fault_tolerance_fails_every_rank_at_once(corpus, tmp_path):
+    """The role process dies in a job of two trainer ranks without spares: rank 0 (the leader) cannot replace
+    the Planner and raises RoleLost, and rank 1 (waiting in rank 0's registry for a new Planner) is told so at
+    once. Before: rank 1 waited for a new Planner (recovery_timeout), rank 0's close waited a call timeout (60 s)
+    for rank 1 to leave, and only rank 0's group ending then failed rank 1 (ActorDied: 'planner-registry' is
+    unreachable), both about 60 s after the kill (a user trial)."""
+    _spawn_group(_role_killed_trainer, (str(corpus.root), str(tmp_path)), 2, timeout=240)
+    first, second = (torch.load(f"{tmp_path}/killed-{r}.pt", weights_only=False) for r in range(2))
+    killed_at = first["killed_at"]
+    for r, got in enumerate((first, second)):
+        assert "error" in got and got["error"][0] == "RoleLost", (r, got.get("error"))
+        assert "cannot be replaced: give the job spare processes" in got["error"][1], (r, got["error"])
+        # well below the call timeout (60 s): the death is seen, not waited out
+        assert got["closed_at"] - killed_at < 20, (r, got["closed_at"] - killed_at, got["error"])
+    assert "client 1 lost the Planner" in second["error"][1] and "will start no new one" in second["error"][1]
+    assert not _alive(first["killed"])

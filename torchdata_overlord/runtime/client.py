@@ -275,6 +275,8 @@ class Job(ClientRecovery):
         self._final_stats = snapshot(self)
         self._closed = True
         self._recovery.shutdown(wait=False, cancel_futures=True)
+        if self._registry is not None:      # a client waiting for a new Planner from this leader gets none
+            self._registry.lost("client 0 (the leader, which replaces a lost Planner) closed its loader", keep=True)
         try:
             if self.transport is not None and self._stopped is None and self.is_leader and self._gen is not None:
                 self._leader_leaves()

@@ -4,7 +4,8 @@ A request that fails because a role died or froze (or because the job moved to a
 meanwhile) is asked again once the role is replaced: a Data Constructor by the Planner
 (``report_failure``), the Planner by the leader client (client 0), which starts a new one on a spare
 (in a launched job it asks the launcher to: :func:`start_planner`) and tells the other clients through
-its :class:`PlannerRegistry`.
+its :class:`PlannerRegistry` (or that it could not: they then fail at once, as it does, not after their
+recovery_timeout).
 """
 
 from __future__ import annotations
@@ -32,25 +33,41 @@ class JobStopped(OverlordError, RuntimeError):
 
 
 class PlannerRegistry:
-    """Hosted by the leader client: where the Planner is, so the other clients follow a replacement."""
+    """Hosted by the leader client: where the Planner is, so the other clients follow a replacement, or
+    learn at once that none will come (the leader could not replace it, or closed its loader)."""
 
     def __init__(self, name: str, worker: str):
         self.current = {"name": name, "worker": worker}
+        self.failed: str | None = None      # why no new Planner will come (until one does)
         self.lock = threading.Condition()
 
     def moved(self, name: str, worker: str) -> None:
         with self.lock:
             self.current = {"name": name, "worker": worker}
+            self.failed = None
+            self.lock.notify_all()
+
+    def lost(self, reason: str, keep: bool = False) -> None:
+        """The leader gives up on the current Planner (replacing it failed, or the leader closed): a client
+        waiting for a new one, now or later, is told ``reason`` instead of waiting out its recovery_timeout
+        (``keep``: unless it is told another reason already, e.g. why the replacement failed)."""
+        with self.lock:
+            if not (keep and self.failed is not None):
+                self.failed = reason
             self.lock.notify_all()
 
     def planner_after(self, old: str, timeout: float) -> cf.Future:
-        """The Planner once it is no longer ``old`` (None after ``timeout`` seconds): answered later."""
+        """The Planner once it is no longer ``old`` (None after ``timeout`` seconds; ``{"failed": why}`` once the
+        leader gave up on it): answered later."""
         out: cf.Future = cf.Future()
 
         def wait():
             with self.lock:
-                self.lock.wait_for(lambda: self.current["name"] != old, timeout=timeout)
-                settle(out, dict(self.current) if self.current["name"] != old else None)
+                self.lock.wait_for(lambda: self.current["name"] != old or self.failed is not None, timeout=timeout)
+                if self.current["name"] != old:
+                    settle(out, dict(self.current))
+                else:
+                    settle(out, None if self.failed is None else {"failed": self.failed})
 
         threading.Thread(target=wait, name="overlord-registry-wait", daemon=True).start()
         return out
@@ -220,6 +237,9 @@ class ClientRecovery:
         if got is None:
             raise RoleLost(f"client {self.client} lost the Planner ({err}) and the leader (client 0) started no new one "
                            f"within recovery_timeout={self.recovery_timeout:g} s") from err
+        if "failed" in got:
+            raise RoleLost(f"client {self.client} lost the Planner ({err}), and the leader (client 0) will start no new "
+                           f"one: {got['failed']}") from err
         self.transport.learn({got["name"]: got["worker"]})
         self.planner_name = got["name"]
 
@@ -230,6 +250,16 @@ class ClientRecovery:
     def _replace_planner(self, err: BaseException) -> None:
         """A new Planner on a spare (a launched job's launcher starts it: it has the job's strategy and
         sources), restored from the store; the other clients learn it from the registry."""
+        try:
+            self._start_new_planner(err)
+        except BaseException as e:
+            # the other clients wait for the new Planner in the registry: tell them none comes (before, they
+            # waited out recovery_timeout, while this client's close waited a call timeout for them to leave)
+            if self._registry is not None:
+                self._registry.lost(f"{type(e).__name__}: {e}")
+            raise
+
+    def _start_new_planner(self, err: BaseException) -> None:
         self._planners += 1
         name = f"{PLANNER}#{self._planners}"
         dead = {self.transport.worker_name(self.transport.worker_of(self.planner_name))}
