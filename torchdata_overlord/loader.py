@@ -38,6 +38,7 @@ from .plane.dry_run import check_strategy
 from .plane.mixture_probe import mixture_spec
 from .plane.place_tree import ClientPlaceTree
 from .runtime.coverage import check_clients_cover_mesh
+from .runtime.job_config import check_autoscale
 from .roles.planner import check_seed
 from .roles.source_loader import SourceLoader
 from .runtime.local import LocalJob
@@ -187,9 +188,7 @@ class OverlordLoader:
         if not timeout > 0:
             raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
         seed = check_seed(seed)
-        if not isinstance(autoscale, bool) and type(autoscale).__name__ != "AutoScaler":
-            raise ConfigError(f"autoscale must be True, False or a torchdata_overlord.scaling.AutoScaler, got "
-                              f"{autoscale!r}")
+        check_autoscale(autoscale)          # (the local runtime's default placement takes none: checked here)
         for name, value in (("pad_id", pad_id), ("image_token_id", image_token_id)):
             if not (value is None and name == "image_token_id") and (
                     isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):

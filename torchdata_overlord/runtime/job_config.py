@@ -114,6 +114,12 @@ class SourceSpec:
         return src
 
 
+def check_autoscale(value) -> None:
+    """``autoscale=`` is True, False or a :class:`~torchdata_overlord.scaling.AutoScaler` (else a ConfigError)."""
+    if not isinstance(value, bool) and type(value).__name__ != "AutoScaler":
+        raise ConfigError(f"autoscale must be True, False or a torchdata_overlord.scaling.AutoScaler, got {value!r}")
+
+
 @dataclass
 class RoleConfig:
     """Everything needed to start a job's roles (checked here, before any process starts)."""
@@ -149,9 +155,8 @@ class RoleConfig:
             self.autoscale = AutoScaler()
         elif self.autoscale is False:
             self.autoscale = None
-        elif self.autoscale is not None and type(self.autoscale).__name__ != "AutoScaler":
-            raise ConfigError(f"autoscale must be True, False or a torchdata_overlord.scaling.AutoScaler, got "
-                              f"{self.autoscale!r}")
+        elif self.autoscale is not None:
+            check_autoscale(self.autoscale)
         if self.plan is not None:           # the placement's actors, and its workers where none were given
             from ..scaling.placement import Placement
             if not isinstance(self.plan, Placement):
