@@ -194,6 +194,30 @@ def test_exif_orientation_is_applied(spm_model):
     assert (out["pixels"].float() - pillow_reference(buf.getvalue(), 140, 70).float()).abs().mean() < CLOSE
 
 
+def test_exif_orientation_is_applied_to_webp_too(spm_model):
+    """torchvision's WebP decoder ignores EXIF: a rotated WebP came out unrotated while JPEG and PNG were rotated."""
+    img = Image.fromarray(testing.make_pixels(140, 70, seed=2))
+    exif = img.getexif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    img.save(buf, "WEBP", exif=exif, lossless=True)
+    out = ImageText(spm_model)({"image": buf.getvalue(), "text": "x"})
+    assert out["orig_size"] == (140, 70) and out["pixels"].shape == (3, 140, 70)
+    assert (out["pixels"].float() - pillow_reference(buf.getvalue(), 140, 70).float()).abs().mean() < CLOSE
+
+
+def test_an_animated_gif_gives_its_first_frame(spm_model):
+    """torchvision decodes every frame of a GIF: the 4-D tensor reached the batch as one image's pixels, its
+    grid counting one frame's patches."""
+    frames = [Image.fromarray(testing.make_pixels(56, 28, seed=s)).convert("P") for s in (5, 6, 7)]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    out = ImageText(spm_model, patch=14)({"image": buf.getvalue(), "text": "x"})
+    assert out["pixels"].shape == (3, 28, 56) and out["patches"] == 8
+    first = torch.from_numpy(np.asarray(frames[0].convert("RGB")).copy()).permute(2, 0, 1)
+    assert torch.equal(out["pixels"], first)
+
+
 def test_min_side_upscales_but_max_side_wins(spm_model):
     up = ImageText(spm_model, min_side=112)({"image": testing.make_image_bytes(40, 20, "PNG"), "text": "x"})
     assert up["pixels"].shape == (3, 112, 224)

@@ -51,6 +51,12 @@ def _pillow_rgb(raw: bytes) -> torch.Tensor:
         return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).contiguous()
 
 
+def _webp_with_exif(encoded: torch.Tensor) -> bool:
+    """Whether ``encoded`` is a WebP file (``RIFF....WEBP``) with an EXIF chunk (``VP8X`` flag bit 3)."""
+    head = encoded[:21].numpy().tobytes()
+    return len(head) == 21 and head[:4] == b"RIFF" and head[8:16] == b"WEBPVP8X" and bool(head[20] & 0x08)
+
+
 def _struct_bytes(image: Mapping[str, Any], field: str) -> bytes:
     """The encoded bytes of a Hugging Face ``datasets`` image struct (``{"bytes", "path"}``, how its Parquet
     files store an ``Image`` column): its bytes, else the file its path names."""
@@ -76,6 +82,8 @@ def decode_rgb(data: Any) -> torch.Tensor:
     encoded = _as_uint8_tensor(data)
     if encoded.numel() == 0:
         raise ImageDecodeError("image could not be decoded by torchvision or pillow: the image bytes are empty")
+    if _webp_with_exif(encoded):       # torchvision's WebP decoder ignores the EXIF orientation; pillow applies it
+        return _pillow_rgb(encoded.numpy().tobytes())
     try:
         img = decode_image(encoded, mode=ImageReadMode.RGB, apply_exif_orientation=True)
     except Exception as tv_err:  # unknown format or corrupt data: give pillow its chance
@@ -86,6 +94,8 @@ def decode_rgb(data: Any) -> torch.Tensor:
                 f"image could not be decoded by torchvision or pillow ({encoded.numel()} bytes, starting "
                 f"{encoded[:8].numpy().tobytes()!r}): torchvision said {_last_line(tv_err)}; "
                 f"pillow said {_last_line(pil_err)}") from pil_err
+    if img.dim() == 4:                 # an animated GIF: every frame; its first is the image (as pillow shows it)
+        img = img[0]
     if img.dtype != torch.uint8:  # 16-bit PNG
         from torchvision.transforms.v2.functional import to_dtype
 
