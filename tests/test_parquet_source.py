@@ -383,3 +383,35 @@ def test_bad_arguments_are_refused(data):
         ParquetSource("s", data, seed=-1)
     with pytest.raises(ConfigError, match="no paths"):
         ParquetSource("s", [])
+
+
+def test_a_directory_or_glob_leaves_out_hidden_and_underscored_files(tmp_path):
+    """An uncommitted Spark task's ``_temporary/`` output, ``.crc``/``._`` (macOS) side files and hidden folders
+    were read as data (duplicate or uncommitted rows; a ``._x.parquet`` made the source fail): a listing leaves
+    out names starting with ``.`` or ``_`` below the given folder, as pyarrow.dataset, Spark and Hive do, unless
+    the glob asks for them."""
+    root = tmp_path / "out"
+
+    def write(rel: str, first: int) -> None:
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"k": list(range(first, first + 3))}), path)
+
+    write("part-0.parquet", 0)
+    write("sub/part-1.parquet", 10)
+    write("_temporary/0/part-0.parquet", 100)
+    write(".part-1.parquet", 200)
+    write(".hidden/x.parquet", 300)
+    write("sub/_x.parquet", 400)
+    (root / "._part-0.parquet").write_bytes(b"\0\5\0\0AppleDouble")       # not Parquet at all
+    (root / "_SUCCESS").write_bytes(b"")
+
+    def keys(paths) -> list[int]:
+        src = ParquetSource("s", paths, shuffle=False, epochs=1)
+        return sorted(row["k"] for _, row in src)
+
+    assert keys(str(root)) == [0, 1, 2, 10, 11, 12]
+    assert keys(str(root / "*.parquet")) == [0, 1, 2]
+    assert keys(str(root / "**" / "*.parquet")) == [0, 1, 2, 10, 11, 12]
+    assert keys(str(root / "sub" / "_*.parquet")) == [400, 401, 402]          # asked for by name
+    assert keys(str(root / "_temporary" / "0" / "part-0.parquet")) == [100, 101, 102]

@@ -99,7 +99,8 @@ def _glob_regex(pattern: str) -> re.Pattern:
 
 def _expand(fs: pafs.FileSystem, pattern: str) -> list[tuple[str, int, int | None]]:
     """Files matching ``pattern`` in ``fs``, sorted, as ``(path, size, mtime_ns)`` from the listing: a
-    glob, a file, or a directory (its ``*.parquet``, recursively)."""
+    glob, a file, or a directory (its ``*.parquet``, recursively). A directory or glob leaves out files and
+    folders whose names start with ``.`` or ``_`` (see :func:`_hidden`); a file named in full is read."""
     file = pafs.FileType.File
     m = _GLOB_CHARS.search(pattern)
     if m is None:
@@ -108,10 +109,22 @@ def _expand(fs: pafs.FileSystem, pattern: str) -> list[tuple[str, int, int | Non
             return [(pattern, info.size, info.mtime_ns)]
         if info.type != pafs.FileType.Directory:
             return []
-        return sorted(x for x in _listing(fs, pattern, True) if x[0].endswith(".parquet"))
+        return sorted(x for x in _listing(fs, pattern, True) if x[0].endswith(".parquet") and not _hidden(x[0], pattern))
     base = pattern[:m.start()].rpartition("/")[0] or ("/" if pattern.startswith("/") else "")
     rx = _glob_regex(pattern)
-    return sorted(x for x in _listing(fs, base, "/" in pattern[m.start():]) if rx.fullmatch(x[0]))
+    return sorted(x for x in _listing(fs, base, "/" in pattern[m.start():])
+                  if rx.fullmatch(x[0]) and not _hidden(x[0], base, pattern[len(base):]))
+
+
+_HIDDEN = (".", "_")    # names a listing leaves out, as pyarrow.dataset, Spark and Hive do (_temporary, _SUCCESS, .crc)
+
+
+def _hidden(path: str, base: str, pattern: str = "") -> bool:
+    """Whether a file or folder of ``path`` below ``base`` is named with a :data:`_HIDDEN` prefix (an uncommitted
+    job's ``_temporary/``, ``_SUCCESS``, ``.part-0.crc``, macOS ``._x.parquet``), unless ``pattern`` (the glob
+    below ``base``) names such a prefix itself (``_*.parquet``: the user asked for them)."""
+    asked = {seg[0] for seg in pattern.split("/") if seg and seg[0] in _HIDDEN}
+    return any(c[0] in _HIDDEN and c[0] not in asked for c in path[len(base):].split("/") if c)
 
 
 LIST_THREADS = 4        # threads listing the subfolders of a folder (pyarrow lists without the GIL)
