@@ -25,7 +25,7 @@ import pyarrow.ipc as paipc
 import pyarrow.json as pajson
 
 from ..errors import ConfigError
-from .parquet import ParquetSource, _File
+from .parquet import ParquetSource, _check_unchanged, _File
 
 __all__ = ["FileSource"]
 
@@ -203,6 +203,7 @@ class FileSource(ParquetSource):
             raise OSError(f"{table.num_rows} rows now, {f.groups[0]} when the source was opened")
         if file_format(f.shown, self.format) == "csv" and list(table.column_names) != list(f.names):
             raise OSError(f"columns {table.column_names} now, {list(f.names)} when the source was opened")
+        _check_unchanged(f)                         # (as many rows: rewritten in place, or not at all)
         return table if self.columns is None else table.select(self.columns)
 
     def spec_args(self):

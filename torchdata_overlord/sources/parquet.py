@@ -217,6 +217,21 @@ class _File(NamedTuple):
     mtime: int = -1          # mtime_ns when listed (-1: unknown)
 
 
+def _check_unchanged(f: _File, size: int | None = None) -> None:
+    """Raise OSError when file ``f`` is not the one listed when the source opened: another size (``size``: as
+    the open file says, where no stat is made), or on a local disk another mtime (a file rewritten in place
+    with the same row groups gave its new rows under the old sample keys). A remote file's mtime would cost
+    a request per read: not asked."""
+    mtime = None
+    if f.fs.type_name == "local":
+        st = os.stat(f.path)
+        size, mtime = st.st_size, st.st_mtime_ns
+    if f.size and size is not None and size != f.size:
+        raise OSError(f"the file is {size} bytes now, {f.size} when the source was opened")
+    if mtime is not None and f.mtime >= 0 and mtime != f.mtime:
+        raise OSError(f"the file was modified since the source was opened (mtime {mtime} ns, {f.mtime} then)")
+
+
 class _Files(Sequence):
     """A source's usable files (a :class:`FileTable`) as :class:`_File` records, each made when asked
     for: 100,000 files open without 100,000 objects. The last one made is kept, so the file being
@@ -415,13 +430,15 @@ class ParquetSource:
         """Row group ``rg`` of ``f``, projected. The file is open for this read only: a pyarrow reader
         keeps the column chunks it pre-buffered (compressed) until its next read, which would hold
         them beside the decoded row group for as long as the source serves it. Its footer is read
-        again, and must still describe the row groups seen when the source was opened."""
+        again, and must still describe the row groups seen when the source was opened, and the file have the
+        same size (and on a local disk mtime)."""
         with f.fs.open_input_file(f.path) as raw:
             pf = pq.ParquetFile(raw)
             meta = pf.metadata
             groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
             if groups != tuple(f.groups):
                 raise OSError(f"row groups of {list(groups)} rows now, {list(f.groups)} when the source was opened")
+            _check_unchanged(f, raw.size())         # (the same row groups: rewritten in place, or not at all)
             table = pf.read_row_group(rg, columns=self.columns)
         if table.nbytes >= _RELEASE_BYTES:
             # decoding grows and frees buffers of about the row group's size; Arrow's allocator keeps
