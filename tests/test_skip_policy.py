@@ -433,3 +433,152 @@ def test_one_row_that_does_not_parse_skips_its_whole_text_file(spm_model, tmp_pa
     got = [k for k, _ in src]
     assert got == [0, 1, 3, 4, 5] and [(s["file"].rsplit("/", 1)[1], s["row"]) for s in src.skipped][2:] == \
         [("c.jsonl", 2)]
+
+
+# ---- a string value that is not valid UTF-8: a failing row, not a bare UnicodeDecodeError ---------------------
+
+def write_not_utf8(tmp_path, fmt, n=12, bad=(3, 8), null=(5,)):
+    """12 rows ``TEXTS[0..11]`` as a JSON Lines file or a Parquet file (row groups of 4) whose ``text`` at rows
+    ``bad`` holds the bytes ``\\xff\\xfe`` (not UTF-8: pyarrow's JSON reader and Parquet accept them, reading
+    the value as ``str`` fails) and at rows ``null`` is null (the transform fails on it)."""
+    values = [None if g in null else (f"bad \xff\xfe {g}" if g in bad else TEXTS[g]) for g in range(n)]
+    raw = [None if v is None else v.encode("latin-1" if g in bad else "utf-8") for g, v in enumerate(values)]
+    if fmt == "jsonl":
+        path = tmp_path / "web.jsonl"
+        path.write_bytes(b"".join(b'{"gid": %d, "text": ' % g + (b"null" if v is None else b'"' + v + b'"') + b"}\n"
+                                  for g, v in enumerate(raw)))
+    else:
+        path = tmp_path / "web.parquet"
+        text = pa.array(raw, pa.binary()).view(pa.string())
+        pq.write_table(pa.table({"gid": pa.array(range(n), pa.int64()), "text": text}), path, row_group_size=4)
+    return str(path)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_string_that_is_not_utf8_is_a_failing_row_skipped_and_counted_or_named(spm_model, tmp_path, caplog, fmt):
+    """A JSON Lines or Parquet string that is not valid UTF-8 opened fine, then reading its row raised a bare
+    UnicodeDecodeError naming no file or row, under on_error='skip' too (the local loader died; under rpc the
+    start-up failed). Now it is a failing row: under 'skip' skipped and counted as a row the transform fails on
+    (exact counts, the same log, the rest of the stream unchanged and resumable), under 'raise' a
+    SourceReadError naming the file, row and column and saying what to do."""
+    n, bad, null = 12, {3, 8}, {5}
+    good = [g for g in range(n) if g not in bad | null]
+    path = write_not_utf8(tmp_path, fmt)
+    cls = ParquetSource if fmt == "parquet" else ol.FileSource
+
+    def source(on_error, **kw):
+        return cls("web", path, Tokenize(spm_model), on_error=on_error, shuffle=False, metadata_cache=False, **kw)
+
+    # the source alone, under "skip": every other row once, each bad row counted once per epoch
+    with caplog.at_level(logging.WARNING, logger="torchdata_overlord"):
+        src = source("skip", epochs=2)
+        keys = [k for k, _ in src]
+        src.close()
+    assert keys == good * 2
+    assert src.skips.stats() == {"skipped": 6, "skipped_distinct": 3, "skipped_files": {}}
+    assert sorted((s["file"], s["row"], s["count"]) for s in src.skipped) == [(path, r, 2) for r in (3, 5, 8)]
+    by_row = {s["row"]: s["error"] for s in src.skipped}
+    for r in (3, 8):
+        assert by_row[r].startswith("ValueError: column 'text' holds a string that is not valid UTF-8 "
+                                    "(UnicodeDecodeError: ") and "0xff" in by_row[r]
+    lines = skip_lines(caplog)          # the first skip in full, as a failing row's; the rest summed up at close
+    assert lines[0].startswith(f"source 'web': skipped {path} row 3: ValueError: column 'text' holds a string")
+    assert len(lines) == 2 and "5 more" in lines[1] and "6 in all" in lines[1] and "3 distinct" in lines[1]
+    assert all("pass on_error" not in x for x in lines + list(by_row.values()))
+
+    # a state taken at any point (before, at or after a bad row) resumes exactly: the same rest, the same keys
+    for cut in range(len(good) + 1):
+        src = source("skip", epochs=1)
+        head = [k for _, (k, _) in zip(range(cut), src)]
+        state = src.state_dict()
+        again = source("skip", epochs=1)
+        again.load_state_dict(state)
+        assert head + [k for k, _ in again] == good, cut
+
+    # through a Source Loader (the read path a loader uses), with states taken between takes
+    for buffer_size in (1, 3):
+        loader = SourceLoader(source("skip", epochs=1), buffer_size=buffer_size)
+        got, states = [], []
+        while len(meta := loader.metadata()):
+            states.append((len(got), loader.get_state()))
+            got += sorted(loader.take(meta.index[:1].tolist()))
+        assert got == good and loader.stats()["skipped"] == 3, buffer_size
+        for at, state in states:
+            fresh = SourceLoader(source("skip", epochs=1), buffer_size=buffer_size)
+            fresh.reset(state)
+            rest = []
+            while len(meta := fresh.metadata()):
+                rest += sorted(fresh.take(meta.index[:1].tolist()))
+            assert got[:at] + rest == good, (buffer_size, at)
+        loader.reset(states[0][1])              # a restore in the same process does not count a skip again
+        while len(meta := loader.metadata()):
+            loader.take(meta.index.tolist())
+        assert loader.stats()["skipped"] == 3
+
+    # under "raise": names the file, the row and the column, says what to do; a state taken then resumes at it
+    src = source("raise", epochs=1)
+    assert [k for _, (k, _) in zip(range(3), src)] == [0, 1, 2]
+    with pytest.raises(SourceReadError) as err:
+        next(src)
+    msg = str(err.value)
+    assert f"reading {path} row 3 (key 3) failed: column 'text' holds a string that is not valid UTF-8" in msg
+    assert "Fix that row in the file, or pass on_error='skip'" in msg
+    assert isinstance(err.value.__cause__, UnicodeDecodeError)
+    assert src.state_dict()["row"] == 3
+    with pytest.raises(SourceReadError, match=r"row 3 \(key 3\) failed: column 'text'"):
+        next(src)
+
+    # the local loader: under "skip" it serves every good row once and counts the skips exactly; under "raise" it
+    # fails with the named error
+    with ol.OverlordLoader([source("skip", epochs=1)], one_source_strategy, ol.ClientPlaceTree(dp=1), rank=0,
+                           global_batch=3, seq_len=None, prefetch=0) as loader:
+        served = [int(k.split(":")[1]) for b in loader for mb in b["microbatches"] for k in mb["sample_keys"]]
+        web = loader.stats()["sources"]["web"]
+    assert sorted(served) == good and web["skipped"] == 3 and web["skipped_distinct"] == 3
+    with pytest.raises(SourceReadError, match=rf"{re.escape(path)} row 3 \(key 3\) failed: column 'text' holds a "
+                                              rf"string that is not valid UTF-8"):
+        with ol.OverlordLoader([source("raise", epochs=1)], one_source_strategy, ol.ClientPlaceTree(dp=1), rank=0,
+                               global_batch=3, seq_len=None, prefetch=0) as loader:
+            list(loader)
+
+
+def test_a_string_that_is_not_utf8_skips_its_row_in_rpc_role_processes_too(spm_model, tmp_path):
+    """runtime='rpc': the bad row failed the role's start-up ('raised by loader:s.warm()'); now under 'skip' the
+    rows around it are served and the skip counted, and under 'raise' the named error reaches the trainer."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    path = write_not_utf8(tmp_path, "jsonl", n=7, bad=(1,), null=())
+    out = tmp_path / "out.json"
+    script = f"""
+import json
+import torchdata_overlord as ol
+
+def strategy(g):
+    return g.mix({{"web": 1.0}}).distribute("DP").cost(ol.token_count).balance("greedy", microbatches=1).plan()
+
+if __name__ == "__main__":
+    got = {{}}
+    for policy in ("skip", "raise"):
+        src = ol.FileSource("web", {path!r}, ol.Tokenize({str(spm_model)!r}), on_error=policy, shuffle=False,
+                            epochs=1, metadata_cache=False)
+        try:
+            with ol.OverlordLoader([src], strategy, ol.ClientPlaceTree(dp=1), rank=0, global_batch=2, seq_len=None,
+                                   runtime="rpc") as loader:
+                keys = [k for b in loader for mb in b["microbatches"] for k in mb["sample_keys"]]
+                got[policy] = [sorted(keys), loader.stats()["sources"]["web"]["skipped"]]
+        except Exception as e:
+            got[policy] = [type(e).__name__, str(e)]
+    json.dump(got, open({str(out)!r}, "w"))
+"""
+    (tmp_path / "run_rpc.py").write_text(script)        # a file: the roles import the strategy from it
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(tmp_path / "run_rpc.py")], capture_output=True, text=True,
+                          timeout=180, cwd=str(root))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["skip"] == [[f"web:{k}" for k in (0, 2, 3, 4, 5, 6)], 1]      # 3 full steps of 2
+    kind, msg = got["raise"]
+    assert kind == "SourceReadError" and f"reading {path} row 1 (key 1) failed: column 'text' holds a string that " \
+                                          f"is not valid UTF-8" in msg, msg

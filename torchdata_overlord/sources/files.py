@@ -104,7 +104,9 @@ class FileSource(ParquetSource):
     (a file plays the part of one row group), including the state and its file fingerprint. So under
     ``on_error="skip"`` one row that does not parse (a broken JSON line, a CSV cell that is not UTF-8, a
     CSV row with too many cells) skips its whole file, where a Parquet file loses the row group at most;
-    a row that parses but the transform fails on is skipped alone.
+    a row that parses but the transform fails on is skipped alone, and so is a row that parses but holds a
+    string that is not valid UTF-8 (``pyarrow.json`` accepts one; reading it as ``str`` fails): counted as a
+    failing row, and under ``on_error="raise"`` a SourceReadError names the file, row and column.
 
     CSV cells arrive as the exact text in the file (a CSV file must be UTF-8): every column a ``str``,
     no type inference, no null (an empty cell is ``""``; ``"00123"``, ``"1e3"``, ``"true"``, ``"NA"``,

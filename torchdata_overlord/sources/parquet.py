@@ -285,6 +285,15 @@ def _columns(columns, transform) -> list[str] | None:
     return list(dict.fromkeys(cols))
 
 
+def _converts(column, i: int) -> bool:
+    """Whether value ``i`` of ``column`` converts to Python (finds the column a failing row fails in)."""
+    try:
+        column[i].as_py()
+        return True
+    except (ValueError, OverflowError, pa.ArrowException):
+        return False
+
+
 # --------------------------------------------------------------------------------------------
 # the source
 # --------------------------------------------------------------------------------------------
@@ -360,15 +369,17 @@ class ParquetSource:
     ``"s3://b/k/*.parquet"``) or a list of those; with ``filesystem=`` they are paths inside that
     filesystem. ``transform(row_dict)`` makes the record. ``columns`` (or ``transform.columns``)
     is the projection. ``epochs=None`` cycles forever. ``on_error="skip"`` skips unreadable files,
-    files without a projected column and failing samples instead of raising: :attr:`skipped` lists
+    files without a projected column and failing samples (the transform fails on the row, or a value of
+    it cannot be read: a string that is not valid UTF-8) instead of raising: :attr:`skipped` lists
     them with exact counts, the log says the first at once and then sums them up at most every
     ``skip_log_interval`` seconds (:class:`~torchdata_overlord.sources.skip_log.SkipLog`). A source
     whose every row is skipped raises rather than cycling forever.
     ``iter()`` continues from the current position; use :meth:`load_state_dict` to rewind. When a
-    transform raises (on_error="raise") the position stays on that sample, so a state taken then
-    resumes at it. ``metadata_cache``: the folder of the file-metadata journal (None: the default
-    folder, False: none; see :mod:`~torchdata_overlord.sources.metadata_cache`); :attr:`metadata_reads`
-    counts the files whose footer this opening read. ``file_table`` comes from :meth:`spec_args`.
+    transform raises, or a value cannot be read (on_error="raise"), the position stays on that sample,
+    so a state taken then resumes at it. ``metadata_cache``: the folder of the file-metadata journal
+    (None: the default folder, False: none; see :mod:`~torchdata_overlord.sources.metadata_cache`);
+    :attr:`metadata_reads` counts the files whose footer this opening read. ``file_table`` comes from
+    :meth:`spec_args`.
     """
 
     FORMAT = "Parquet"
@@ -842,7 +853,10 @@ class ParquetSource:
             if self._table is None and not self._load(u):
                 self.check_progress(since)
                 continue
-            return self._sample(u)
+            out = self._sample(u)
+            if out is not None:
+                return out
+            self.check_progress(since)      # the row's values could not be converted: skipped (on_error="skip")
 
     def _resume_unit(self, u: int) -> None:
         """Before reading unit ``u``: skip the rows a data-parallel part read of it before a reshard (``ahead``)."""
@@ -905,19 +919,44 @@ class ParquetSource:
         self._columns_held = list(zip(self._table.column_names, self._table.columns))
         return True
 
-    def _sample(self, u: int) -> tuple[int, dict, tuple[str, int, int, int]]:
+    def _sample(self, u: int) -> tuple[int, dict, tuple[str, int, int, int]] | None:
         """The raw row at the current position, advancing past it. Converted to Python value by value
         (as ``Table.to_pylist`` does), with no Arrow allocation: a ``take`` of the next rows allocated in
         every reading thread, and pyarrow's allocator gives each such thread pages of its own (~3 MiB
-        per Source Loader thread in a process hosting many)."""
+        per Source Loader thread in a process hosting many).
+
+        A value that does not convert (a string that is not valid UTF-8: pyarrow's JSON reader and Parquet
+        files accept such bytes, ``as_py`` fails on them) is a failing row: under ``on_error="skip"`` it is
+        skipped and counted as a row the transform fails on (then None: the caller reads on), under "raise"
+        a :class:`SourceReadError` names the file, row and column, the position staying on that row."""
         i = int(self._perm[self._row])                    # row index within the row group
         r = int(self._ufirst[u]) + i                      # row index within the file
-        row = {name: column[i].as_py() for name, column in self._columns_held}
+        try:
+            row = {name: column[i].as_py() for name, column in self._columns_held}
+        except (ValueError, OverflowError, pa.ArrowException) as e:     # UnicodeDecodeError is a ValueError
+            return self._unconvertible(u, i, r, e)
         key = int(self._uoffset[u]) + r
         self.last_order = ((self.epoch * len(self._urows) + self._unit) << 32) | self._row
         self._row += 1
         self.rows_passed += 1
         return self.epoch * self.num_rows + key, row, (self._files[int(self._ufile[u])].shown, r, key, self.epoch)
+
+    def _unconvertible(self, u: int, i: int, r: int, e: BaseException) -> None:
+        """Row ``r`` of its file (``i`` of unit ``u``'s row group) holds a value ``as_py`` fails on: raise, or
+        skip it (see :meth:`_sample`)."""
+        column = next((name for name, col in self._columns_held if not _converts(col, i)), None)
+        shown, key = self._files[int(self._ufile[u])].shown, int(self._uoffset[u]) + r
+        what = f"column {column!r}" if column is not None else "a column"
+        why = f"{what} holds a value that cannot be read ({type(e).__name__}: {e})"
+        if isinstance(e, UnicodeDecodeError):
+            why = f"{what} holds a string that is not valid UTF-8 ({type(e).__name__}: {e})"
+        if self.on_error == "raise":
+            raise SourceReadError(f"source {self.name!r}: reading {shown} row {r} (key {key}) failed: {why}. Fix "
+                                  f"that row in the file, or pass on_error='skip' to skip such rows.") from e
+        self._skip(shown, r, ValueError(why), self.epoch)
+        self._row += 1
+        self.rows_passed += 1
+        return None
 
     @property
     def skipped(self) -> list[dict]:
