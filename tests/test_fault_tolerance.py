@@ -258,6 +258,48 @@ def test_the_checkpoint_store_stays_bounded_over_a_long_run(corpus, tmp_path):
     assert kept["planner"] <= 2 * every + 2, kept          # the consumption log since the older loader snapshot
 
 
+def test_a_replaced_planner_that_wakes_up_acts_no_more(corpus, tmp_path):
+    """A Planner replaced while its process was frozen (not dead) wakes up inside its step: under torchrun it
+    then "recovered" roles of the job its successor runs (a constructor replaced, the job rewound at an old
+    step, a shadow promoted) and wrote the store, and both ranks failed a few steps later ('sample ... is not
+    in the read buffer'). A replacement fences its predecessor in the store before it restores anything; the
+    old one, acting again, is refused and changes nothing: the stream goes on as the local runtime's."""
+    from test_rpc_job import job_kwargs, make_mesh, make_sources, vlm_strategy
+
+    from torchdata_overlord.runtime.step import JobReset
+
+    steps = 8
+    ref = LocalJob(make_sources(corpus), vlm_strategy, make_mesh(), **job_kwargs(corpus))
+    expected = [ref.step().outputs for _ in range(steps)]
+    ref.close()
+    t, root = InProcessTransport(), tmp_path / "ckpt"
+    job = RpcJob(make_sources(corpus), vlm_strategy, make_mesh(), transport=t, shadows=True, spares=2,
+                 checkpoint_dir=str(root), snapshot_every=2, timeout=SLOW_CALLS, **job_kwargs(corpus))
+    try:
+        for k in range(4):
+            assert_identical(job.submit().result(STEP_BOUND).outputs, expected[k])
+        old = t.actor("planner")                     # what a frozen process keeps: the Planner, as it was
+        faults.kill_roles(job, ["planner"])
+        for k in range(4, 6):
+            assert_identical(job.submit().result(STEP_BOUND).outputs, expected[k])
+        kept = sorted((p.relative_to(root), p.stat().st_mtime_ns) for p in root.rglob("*.ckpt"))
+        state = old.versions[max(old.versions)]
+        with pytest.raises(JobReset, match=r"replaced by Planner incarnation 1"):
+            old.recovery.failover(old.recovery.keys[0], old.step, RuntimeError("a call timed out while frozen"))
+        with pytest.raises(JobReset, match=r"replaced by Planner incarnation 1"):
+            old.recovery.replace_constructor(0, old.step, RuntimeError("a call timed out while frozen"))
+        with pytest.raises(JobReset, match=r"replaced by Planner incarnation 1"):
+            old.recovery.checkpoints.checkpoint(old.step, state, {})
+        with pytest.raises(JobReset, match=r"replaced by Planner incarnation 1"):
+            old.new_generation(state)
+        assert sorted((p.relative_to(root), p.stat().st_mtime_ns) for p in root.rglob("*.ckpt")) == kept
+        for k in range(6, steps):
+            assert_identical(job.submit().result(STEP_BOUND).outputs, expected[k])
+    finally:
+        job.close()
+        t.stop()
+
+
 def test_random_roles_killed_at_random_steps_in_process(corpus, tmp_path):
     """The same recovery logic on the in-process transport, randomised: several kills per run, and
     no step waits out a call timeout."""

@@ -20,7 +20,10 @@ position, :meth:`~.planner_actor.PlannerActor.rewind` and :meth:`~.planner_actor
 * a replacement Planner (started by the leader client when this one fails) restores itself from
   the store with :meth:`Recovery.recover`, then rewinds the same way; the roles whose process answers
   no ping (frozen with the old Planner) are replaced at once, the others restored, all together (a lost
-  loader by its live shadow, restored the same way, before any spare is taken).
+  loader by its live shadow, restored the same way, before any spare is taken). It first *fences* its
+  predecessor: its incarnation goes into the store (``planner-fence``), and a Planner that finds a later
+  one there (it was frozen, not dead, and woke up) writes nothing more and replaces no role
+  (:meth:`Recovery.check_current`).
 
 A failure nothing can replace (no shadow, no spare) ends the stream with :class:`~.fault_policy.RoleLost`, which
 names the role and the step: never a silent skip.
@@ -37,11 +40,11 @@ from typing import Callable, Iterable
 from .constructor_actor import ConstructorActor
 from .fault_policy import FAILURES, FaultPolicy, RoleLost, unanswering
 from .loader_actor import LoaderActor
-from .recovery_store import PLANNER_KEY, RecoveryStore
+from .recovery_store import FENCE_KEY, PLANNER_KEY, RecoveryStore
 from .refs import ConstructorRef, LoaderRef, constructor_actor, loader_actor
 from .shadows import Shadows
 from .spares import Spares
-from .step import JobState
+from .step import JobReset, JobState
 
 __all__ = ["Recovery"]
 
@@ -61,6 +64,7 @@ class Recovery:
         self.renames = 0
         self.replaced: dict[str, int] = collections.defaultdict(int)   # role ("loader:web") -> replacements
         self.home: str | None = None                   # the Planner's worker when it is a replacement on a spare
+        self.incarnation = 0                           # which Planner this is: 0 the first, k its k-th replacement
         self.events: list[dict] = []                   # failures handled: what, role, step, seconds, how
         self.shadows, self.checkpoints = Shadows(self), RecoveryStore(self)
         self.spares = Spares(self.peers, policy.spares, self.checkpoints.roles)
@@ -120,6 +124,17 @@ class Recovery:
                 self._event("constructor", old, step, t0, "replaced on a spare", e)
         return out
 
+    def check_current(self) -> None:
+        """Raise JobReset when a later Planner has replaced this one (it was frozen, not dead, and woke up): it
+        must not write the store or replace roles of the job its successor now runs. The successor says so in
+        the store first (:data:`FENCE_KEY`, at its incarnation) before it restores anything."""
+        if self.store is None:
+            return
+        later = [k for k in self.store.steps(FENCE_KEY) if k > self.incarnation]
+        if later:
+            raise JobReset(f"this Planner (incarnation {self.incarnation}) was replaced by Planner incarnation "
+                           f"{max(later)}: it was frozen, not dead; it acts no more")
+
     def new_name(self, base: str) -> str:
         """A replacement's name (never its predecessor's: a frozen one may wake up)."""
         self.renames += 1
@@ -128,6 +143,7 @@ class Recovery:
     # -- Source Loaders -------------------------------------------------------------------------------
     def failover(self, source: str, step: int, err: BaseException) -> None:
         """Replace loader ``source`` (a loader key): promote its shadow, else restore one on a spare process."""
+        self.check_current()
         t0 = time.perf_counter()
         old, state = self.active[source], self.loader_state.get(source)
         how = "promoted its shadow" if self.shadows.promote(source, state) else None
@@ -179,6 +195,7 @@ class Recovery:
 
     def replace_constructor(self, c: int, step: int, err: BaseException) -> None:
         """A new constructor on a spare, then a rewind to where every client is."""
+        self.check_current()
         t0, old = time.perf_counter(), self.constructor_names[c]
         name = self._start_constructor(c, step, err)
         # its predecessor checkpointed where the clients were; the Planner's own position is newer or equal
@@ -212,6 +229,10 @@ class Recovery:
         job.gen = int(newest["gen"])
         job.prefetch = newest.get("prefetch")
         self.replaced[PLANNER_KEY] += 1
+        # fence the predecessor first: frozen rather than dead, it may wake up and act on the roles and the store
+        self.incarnation = max(self.replaced[PLANNER_KEY], max(self.store.steps(FENCE_KEY), default=0) + 1)
+        self.store.put(FENCE_KEY, self.incarnation, {"planner": job.name})
+        self.store.gc(FENCE_KEY, keep=2)
         self.home = home
         self.peers.learn(dict(self.spares.where))
         snaps = {}

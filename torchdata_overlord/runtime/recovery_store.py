@@ -11,9 +11,10 @@ from ..errors import OverlordError
 from .fault_policy import RoleLost
 from .step import JobState
 
-__all__ = ["RecoveryStore", "PLANNER_KEY"]
+__all__ = ["RecoveryStore", "PLANNER_KEY", "FENCE_KEY"]
 
 PLANNER_KEY = "planner"                 # the Planner's checkpoints in the store
+FENCE_KEY = "planner-fence"             # a replacement Planner's incarnation, written before it restores anything
 
 
 class RecoveryStore:
@@ -46,6 +47,7 @@ class RecoveryStore:
         every client is, who serves where and the recoveries so far; then the store keeps what a replay needs."""
         if self.store is None:
             return
+        self.r.check_current()              # a Planner replaced while frozen writes nothing after it wakes
         self.store.put(PLANNER_KEY, version, {"planner": state[JobState.PLANNER], "feedback": state[JobState.FEEDBACK],
                                               "applied": [list(e) for e in applied], "prefetch": self.r.job.prefetch,
                                               "events": list(self.r.events),
@@ -67,6 +69,7 @@ class RecoveryStore:
         """A new line of history starts at ``version``: drop what came after it, snapshot everyone."""
         if self.store is None:
             return
+        self.r.check_current()
         self.store.discard(PLANNER_KEY, version + 1)
         for s in self.r.sources:
             self.store.discard(f"loader/{s}", version + 1)
