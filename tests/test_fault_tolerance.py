@@ -290,8 +290,10 @@ def test_a_replaced_planner_that_wakes_up_acts_no_more(corpus, tmp_path):
             old.recovery.replace_constructor(0, old.step, RuntimeError("a call timed out while frozen"))
         with pytest.raises(JobReset, match=r"replaced by Planner incarnation 1"):
             old.recovery.checkpoints.checkpoint(old.step, state, {})
+        gen = old.gen
         with pytest.raises(JobReset, match=r"replaced by Planner incarnation 1"):
             old.new_generation(state)
+        assert old.gen == gen                        # (its failures, sent at its generation, reach no live role)
         assert sorted((p.relative_to(root), p.stat().st_mtime_ns) for p in root.rglob("*.ckpt")) == kept
         for k in range(6, steps):
             assert_identical(job.submit().result(STEP_BOUND).outputs, expected[k])

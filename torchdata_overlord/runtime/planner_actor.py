@@ -249,6 +249,7 @@ class PlannerActor(RoleActor):
     def new_generation(self, state: Mapping) -> None:
         """Every role back to ``state`` (a new generation): a loaded checkpoint, or a rewind."""
         r = self.recovery
+        r.check_current()                   # (before the generation moves: a fenced Planner's would be the live one)
         if set(state[JobState.LOADERS]) != set(self.sources):
             raise ConfigError(f"state has sources {sorted(state[JobState.LOADERS])}, this job has {sorted(self.sources)}")
         self.resharding.abort_all("a new generation (a loaded state, or a rewind)", self.step - 1)
