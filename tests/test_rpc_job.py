@@ -618,3 +618,25 @@ def test_default_placement_shares_the_free_cores_and_isolates_roles_under_fault_
     assert kept.default_workers() == roles
     shadowed = RoleConfig(make_sources(corpus), vlm_strategy, make_mesh(), 8, None, shadows=True)
     assert shadowed.default_workers() == len(shadowed.roles) == 7
+
+
+@pytest.mark.slow
+def test_a_timed_out_next_names_a_frozen_role_process(corpus):
+    """Without fault tolerance, a frozen Planner (SIGSTOP, a debugger) made next() time out saying only to raise
+    the timeout "for very slow sources". It now names the roles whose process answers no ping."""
+    from torchdata_overlord.runtime import faults
+
+    loader = ol.OverlordLoader(make_sources(corpus), vlm_strategy, make_mesh(), rank=0, global_batch=8, seq_len=None,
+                               image_token_id=corpus.image_token_id, runtime="rpc", n_workers=1, prefetch=0, timeout=6)
+    pid = None
+    try:
+        it = iter(loader)
+        next(it)
+        pid = faults.freeze_role(loader, "planner")
+        with pytest.raises(TimeoutError, match=r"no step produced within 6 s .*'planner'.* answers no ping .*frozen"):
+            for _ in range(4):                       # (a step already on its way may still come)
+                next(it)
+    finally:
+        if pid is not None:
+            faults.thaw(pid)
+        loader.close()

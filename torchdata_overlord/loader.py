@@ -412,7 +412,21 @@ class OverlordLoader:
     def _check_timeout(self, t0: float) -> None:
         if time.perf_counter() - t0 >= self.timeout:
             raise TimeoutError(f"no step produced within {self.timeout:.0f} s (step {self._consumed[self.K_STEP]}); "
-                               f"raise OverlordLoader(timeout=...) for very slow sources")
+                               f"{self._why_no_step()}")
+
+    def _why_no_step(self) -> str:
+        """What a timed-out ``next()`` advises: a role whose process answers no ping (frozen: SIGSTOP, a debugger,
+        swapped out; or gone) is named, since no timeout fixes it; else raise the timeout for slow sources."""
+        try:
+            lost = self._job.unanswering(min(5.0, self.timeout))
+        except Exception:                    # noqa: BLE001 - advice only
+            lost = {}
+        if not lost:
+            return "raise OverlordLoader(timeout=...) for very slow sources"
+        roles = "; ".join(f"{a}: {type(e).__name__}: {str(e).splitlines()[0][:160]}" for a, e in lost.items())
+        return (f"the process of {sorted(lost)} answers no ping ({roles}): it is frozen (SIGSTOP, a debugger, "
+                f"swapped out) or gone, which no timeout fixes; with fault_tolerance= and spares= the job replaces "
+                f"such roles")
 
     def _package(self, step: int, outputs: dict):
         def one(rank):

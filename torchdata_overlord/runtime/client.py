@@ -253,6 +253,12 @@ class Job(ClientRecovery):
         self._feedback = FeedbackLog(state.get(self.FEEDBACK, []))
         self._attach(dict(state), JobState.step(state))
 
+    def unanswering(self, timeout: float) -> dict[str, BaseException]:
+        """The Planner and constructors whose process answers no ping within ``timeout`` (frozen, or gone):
+        actor -> the failure; what a trainer's timed-out ``next()`` says. Empty in one process."""
+        from .fault_policy import unanswering
+        return unanswering(self.transport.ping, [self.planner_name] + list(self._constructors), timeout)
+
     def stats(self) -> dict:
         """Per-source loader stats, Planner and constructor queue depths, recoveries, each role's process
         and memory, and this client's failures and reissued requests. Roles keep their names after a
