@@ -38,7 +38,7 @@ from .plane.dry_run import check_strategy
 from .plane.mixture_probe import mixture_spec
 from .plane.place_tree import ClientPlaceTree
 from .runtime.coverage import check_clients_cover_mesh
-from .runtime.job_config import check_autoscale
+from .runtime.job_config import check_autoscale, check_source_names
 from .roles.planner import check_seed
 from .roles.source_loader import SourceLoader
 from .runtime.local import LocalJob
@@ -195,10 +195,7 @@ class OverlordLoader:
                 raise ConfigError(f"{name} must be a token id, an integer >= 0 (an embedding row), got {value!r}")
         sources = list(sources)
         names = [getattr(s, "name", s) for s in sources]
-        twice = sorted({n for n in names if names.count(n) > 1}, key=str)
-        if twice:
-            raise ConfigError(f"sources: more than one source is named {', '.join(map(repr, twice))}; give each source "
-                              f"a name of its own (the name the strategy's schedules mix it by)")
+        check_source_names(names)
         self.mesh, self.rank, self.prefetch, self.timeout = mesh, rank, prefetch, float(timeout)
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
         if pin_memory and not self.pin_memory:

@@ -39,13 +39,20 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def check_source_names(names: list) -> None:
+    """At least one source, each named once (the name the strategy's schedules mix it by)."""
+    if not names:
+        raise ConfigError("a job needs at least one source")
+    twice = sorted({n for n in names if names.count(n) > 1}, key=str)
+    if twice:
+        raise ConfigError(f"sources: more than one source is named {', '.join(map(repr, twice))}; give each source "
+                          f"a name of its own (the name the strategy's schedules mix it by)")
+
+
 def source_settings(names: list[str]) -> Callable:
     """Check the source names; returns ``get(value, name, default)`` for settings given as one value
     for every source or as a ``{source: value}`` dict (unknown names refused)."""
-    if not names:
-        raise ConfigError("a job needs at least one source")
-    if len(set(names)) != len(names):
-        raise ConfigError(f"source names must be unique, got {names}")
+    check_source_names(names)
 
     def get(value, name, default, what="settings"):
         if isinstance(value, Mapping):
