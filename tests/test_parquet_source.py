@@ -7,6 +7,7 @@ expected sample key of a record is read from the data itself, not computed by th
 from __future__ import annotations
 
 import json
+import os
 import logging
 import random
 import subprocess
@@ -415,3 +416,19 @@ def test_a_directory_or_glob_leaves_out_hidden_and_underscored_files(tmp_path):
     assert keys(str(root / "**" / "*.parquet")) == [0, 1, 2, 10, 11, 12]
     assert keys(str(root / "sub" / "_*.parquet")) == [400, 401, 402]          # asked for by name
     assert keys(str(root / "_temporary" / "0" / "part-0.parquet")) == [100, 101, 102]
+
+
+def test_directory_of_other_files_says_which_source_reads_them(tmp_path):
+    (tmp_path / "part0.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(ConfigError, match="none named \\*.parquet") as err:
+        ParquetSource("s", str(tmp_path))
+    assert "part0.jsonl" in str(err.value) and "FileSource" in str(err.value)
+
+
+def test_directory_leaves_out_other_files_and_logs_them(tmp_path, caplog):
+    pq.write_table(pa.table({"gid": pa.array([1, 2, 3], pa.int64())}), tmp_path / "a.parquet")
+    (tmp_path / "notes.txt").write_text("not data")
+    with caplog.at_level("WARNING", logger="torchdata_overlord"):
+        src = ParquetSource("s", str(tmp_path))
+    assert [os.path.basename(f) for f in src.files] == ["a.parquet"]
+    assert any("notes.txt" in r.getMessage() and "left out 1 file" in r.getMessage() for r in caplog.records)

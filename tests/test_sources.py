@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.ipc as paipc
+import pyarrow.parquet as pq
 import pytest
 import torch
 from torchdata.nodes import BaseNode, IterableWrapper
@@ -64,6 +65,17 @@ def test_file_source_reads_every_row_once_per_epoch(tmp_path, fmt):
     if fmt == "csv":                                   # a CSV cell is the text in the file
         expected = [{k: str(v) for k, v in r.items()} for r in expected]
     assert got == expected + expected                  # shuffle=False: file order, then row order
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_file_source_over_a_directory_reads_its_text_files(tmp_path, fmt):
+    """A directory given to FileSource reads its JSON Lines / CSV / Arrow IPC files (each maybe .gz), as a
+    glob of them would, not only ``*.parquet``; a Parquet file beside them is left out."""
+    write(tmp_path / "d", fmt)
+    pq.write_table(pa.table({"id": [1]}), tmp_path / "d" / "other.parquet")
+    got = [rec for _, rec in ol.FileSource("t", str(tmp_path / "d"), shuffle=False, epochs=1)]
+    assert got == [rec for _, rec in ol.FileSource("t", str(tmp_path / "d" / "part-*"), shuffle=False, epochs=1)]
+    assert len(got) == FILES * ROWS
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv", "arrow"])

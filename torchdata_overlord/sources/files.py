@@ -99,8 +99,8 @@ def _blank(fs: pafs.FileSystem, path: str) -> bool:
 
 class FileSource(ParquetSource):
     """One source's JSON Lines (``.jsonl``, ``.json``, ``.ndjson``), CSV (``.csv``) or Arrow IPC
-    (``.arrow``, ``.feather``, ``.ipc``) files, each possibly ``.gz``; ``format=`` overrides the
-    suffix for every file. Every other argument and behaviour is :class:`~torchdata_overlord.ParquetSource`'s
+    (``.arrow``, ``.feather``, ``.ipc``) files, each possibly ``.gz`` (a directory: its files with these
+    suffixes); ``format=`` overrides the suffix for every file. Every other argument and behaviour is :class:`~torchdata_overlord.ParquetSource`'s
     (a file plays the part of one row group), including the state and its file fingerprint. So under
     ``on_error="skip"`` one row that does not parse (a broken JSON line, a CSV cell that is not UTF-8, a
     CSV row with too many cells) skips its whole file, where a Parquet file loses the row group at most;
@@ -118,6 +118,7 @@ class FileSource(ParquetSource):
     ever. It never changes a file's row count, so states are the same whichever is chosen."""
 
     UNITS = "files"      # what a data-parallel loader actor reads whole (see :meth:`shard`)
+    SUFFIXES = tuple(s + z for s in _SUFFIXES for z in ("", ".gz"))   # the files of a directory it reads
 
     def __init__(self, name: str, paths, transform=None, columns=None, shuffle: bool = True, seed: int = 0,
                  epochs: int | None = None, on_error: str = "raise", filesystem: pafs.FileSystem | None = None,

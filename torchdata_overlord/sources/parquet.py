@@ -97,10 +97,13 @@ def _glob_regex(pattern: str) -> re.Pattern:
     return re.compile("".join(out))
 
 
-def _expand(fs: pafs.FileSystem, pattern: str) -> list[tuple[str, int, int | None]]:
+def _expand(fs: pafs.FileSystem, pattern: str, suffixes: tuple[str, ...] = (".parquet",), name: str = "",
+            kind: str = "ParquetSource") -> list[tuple[str, int, int | None]]:
     """Files matching ``pattern`` in ``fs``, sorted, as ``(path, size, mtime_ns)`` from the listing: a
-    glob, a file, or a directory (its ``*.parquet``, recursively). A directory or glob leaves out files and
-    folders whose names start with ``.`` or ``_`` (see :func:`_hidden`); a file named in full is read."""
+    glob, a file, or a directory (its files named with one of ``suffixes``, recursively). A directory or
+    glob leaves out files and folders whose names start with ``.`` or ``_`` (see :func:`_hidden`); a file
+    named in full is read. Of a directory, the other files left out are logged; a directory holding none
+    of ``suffixes`` but other files is a ConfigError saying so."""
     file = pafs.FileType.File
     m = _GLOB_CHARS.search(pattern)
     if m is None:
@@ -109,7 +112,20 @@ def _expand(fs: pafs.FileSystem, pattern: str) -> list[tuple[str, int, int | Non
             return [(pattern, info.size, info.mtime_ns)]
         if info.type != pafs.FileType.Directory:
             return []
-        return sorted(x for x in _listing(fs, pattern, True) if x[0].endswith(".parquet") and not _hidden(x[0], pattern))
+        visible = [x for x in _listing(fs, pattern, True) if not _hidden(x[0], pattern)]
+        found = sorted(x for x in visible if x[0].endswith(suffixes))
+        other = sorted(x[0] for x in visible if not x[0].endswith(suffixes))
+        if other and not found:
+            raise ConfigError(f"source {name!r}: directory {pattern!r} holds {len(other)} file(s) but none named "
+                              f"{' or '.join('*' + s for s in suffixes)}, which {kind} reads from a directory (e.g. "
+                              f"{other[0]!r}); " + ("JSON Lines, CSV and Arrow IPC files are FileSource's"
+                                                    if kind == "ParquetSource" else
+                                                    "name the files with a glob, and pass format= for files "
+                                                    "whose suffix does not give it"))
+        if other:
+            log.warning("source %r: directory %r: left out %d file(s) not named %s (e.g. %r); name them with a glob "
+                        "to read them", name, pattern, len(other), " or ".join("*" + s for s in suffixes), other[0])
+        return found
     base = pattern[:m.start()].rpartition("/")[0] or ("/" if pattern.startswith("/") else "")
     rx = _glob_regex(pattern)
     return sorted(x for x in _listing(fs, base, "/" in pattern[m.start():])
@@ -164,7 +180,8 @@ class _Listing(NamedTuple):
     mtime: list[int]
 
 
-def _resolve(name: str, paths, filesystem) -> _Listing:
+def _resolve(name: str, paths, filesystem, suffixes: tuple[str, ...] = (".parquet",),
+             kind: str = "ParquetSource") -> _Listing:
     """Every entry of ``paths`` expanded; sorted and de-duplicated by shown name. Errors name the entry.
     Sizes and mtimes come from the listing itself (no file is opened or stat'ed again)."""
     entries = [paths] if isinstance(paths, str) else list(paths)
@@ -183,7 +200,7 @@ def _resolve(name: str, paths, filesystem) -> _Listing:
             fs, path = pafs.FileSystem.from_uri(entry)
         else:
             fs, path = local_fs, os.path.abspath(os.path.expanduser(entry))
-        matches = _expand(fs, path)
+        matches = _expand(fs, path, suffixes, name, kind)
         if not matches:
             raise ConfigError(f"source {name!r}: {entry!r} matches no file; check the path/glob "
                               f"(globs use * ? [..] and ** for any depth)")
@@ -365,9 +382,9 @@ class ParquetSource:
     """One source's Parquet files as an iterator of ``(sample_key, record)``, resumable exactly
     (a :class:`~torchdata_overlord.sources.base.Source`).
 
-    ``paths``: a glob, a file, a directory, a ``pyarrow.fs`` URI (``"file:///d/*.parquet"``,
-    ``"s3://b/k/*.parquet"``) or a list of those; with ``filesystem=`` they are paths inside that
-    filesystem. ``transform(row_dict)`` makes the record. ``columns`` (or ``transform.columns``)
+    ``paths``: a glob, a file, a directory (its ``*.parquet`` files at any depth; the others are left out
+    and logged), a ``pyarrow.fs`` URI (``"file:///d/*.parquet"``, ``"s3://b/k/*.parquet"``) or a list of
+    those; with ``filesystem=`` they are paths inside that filesystem. ``transform(row_dict)`` makes the record. ``columns`` (or ``transform.columns``)
     is the projection. ``epochs=None`` cycles forever. ``on_error="skip"`` skips unreadable files,
     files without a projected column and failing samples (the transform fails on the row, or a value of
     it cannot be read: a string that is not valid UTF-8) instead of raising: :attr:`skipped` lists
@@ -386,6 +403,7 @@ class ParquetSource:
     OPEN_THREADS = min(32, 4 * (os.cpu_count() or 1))    # threads reading footers on a non-local filesystem
 
     UNITS = "row groups"      # what a data-parallel loader actor reads whole (see :meth:`shard`)
+    SUFFIXES = (".parquet",)    # the files of a directory it reads (a glob or a file named in full: any)
 
     def __init__(self, name: str, paths, transform: Callable[[dict], Any] | None = None, columns=None,
                  shuffle: bool = True, seed: int = 0, epochs: int | None = None, on_error: str = "raise",
@@ -413,7 +431,7 @@ class ParquetSource:
         self.skip_log_interval = self.skips.interval
         self.rows_passed = 0  # rows read or skipped so far (a whole-epoch run of skips means nothing is usable)
         self.metadata_reads = 0  # files opened for their metadata (footer, or a text file's parse) by __init__
-        self._meta = self._open_all(_resolve(name, paths, filesystem)) if file_table is None else \
+        self._meta = self._open_all(_resolve(name, paths, filesystem, self.SUFFIXES, type(self).__name__)) if file_table is None else \
             self._from_table(file_table)                  # the usable files' metadata (a FileTable)
         self._files = _Files(self._meta)
         self.files = list(self._meta.shown)
