@@ -234,6 +234,60 @@ def test_corrupt_image_raises_value_error(spm_model, bad):
         ImageText(spm_model)({"image": bad, "text": "x"})
 
 
+def _header_cases():
+    """Images in every layout the header reader knows, at random sizes: (name, bytes, (width, height))."""
+    rng = np.random.default_rng(7)
+    out = []
+    for k in range(6):
+        w, h = (int(x) for x in rng.integers(1, 700, 2))
+        img = Image.fromarray(testing.make_pixels(w, h, seed=k))
+        exif = img.getexif()
+        exif[0x0112] = 6
+        for name, kw in [("PNG", {}), ("JPEG", {}), ("JPEG", {"progressive": True}), ("JPEG", {"exif": exif}),
+                         ("GIF", {}), ("WEBP", {}), ("WEBP", {"lossless": True}), ("WEBP", {"exif": exif})]:
+            buf = io.BytesIO()
+            img.save(buf, name, **kw)
+            out.append((f"{name}{kw and '-' + '-'.join(kw)}-{w}x{h}", buf.getvalue(), (w, h)))
+    return out
+
+
+def test_image_header_size_matches_pillow_for_every_layout():
+    from torchdata_overlord.transforms.image_header import image_size
+
+    for name, raw, size in _header_cases():
+        assert Image.open(io.BytesIO(raw)).size == size, name
+        assert image_size(raw) == size, name
+    assert image_size(b"BM" + bytes(60)) is None and image_size(b"\xff\xd8\xff") is None
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    """A PNG signature and IHDR chunk (valid CRC) claiming ``width`` x ``height``, then IEND: no pixel data."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + \
+        chunk(b"IEND", b"")
+
+
+def test_a_decompression_bomb_is_refused_before_decoding(spm_model):
+    """A small file whose header claims more pixels than max_pixels fails its row without being decoded: a
+    30,000 x 30,000 PNG of 850 KiB decoded to 3.3 GB of RSS here."""
+    with pytest.raises(ol.transforms.ImageDecodeError, match="100000 x 100000 .* over max_pixels=89,478,485"):
+        ImageText(spm_model)({"image": _png_header_only(100_000, 100_000), "text": "x"})
+    small = testing.make_image_bytes(64, 48, "JPEG")
+    with pytest.raises(ValueError, match="64 x 48 = 3,072 pixels .* over max_pixels=3,000"):
+        ImageText(spm_model, max_pixels=3000)({"image": small, "text": "x"})
+    assert ImageText(spm_model, max_pixels=3072)({"image": small, "text": "x"})["orig_size"] == (48, 64)
+    assert ImageText(spm_model, max_pixels=None)({"image": small, "text": "x"})["orig_size"] == (48, 64)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ol.ConfigError, match="max_pixels"):
+            ImageText(spm_model, max_pixels=bad)
+    assert "max_pixels" not in repr(ImageText(spm_model)) and "max_pixels=3000" in repr(ImageText(spm_model, max_pixels=3000))
+
+
 def test_image_text_missing_fields_and_config(spm_model):
     it = ImageText(spm_model, image_field="jpg", text_field="caption")
     assert it.columns == ("jpg", "caption")

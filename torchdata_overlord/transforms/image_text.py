@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, OverlordError
+from .image_header import image_size
 from .tokenize import Tokenize, row_field, row_text
 
 
@@ -75,13 +76,24 @@ def _struct_bytes(image: Mapping[str, Any], field: str) -> bytes:
                                f"embed_external_files) or make the path readable from every loader process") from e
 
 
-def decode_rgb(data: Any) -> torch.Tensor:
-    """Decode encoded image bytes to a ``3xHxW`` uint8 RGB tensor: torchvision first, pillow for other formats."""
+MAX_PIXELS = 89_478_485     # pillow's own decompression-bomb limit (``PIL.Image.MAX_IMAGE_PIXELS``): 268 MB of RGB
+
+
+def decode_rgb(data: Any, max_pixels: int | None = MAX_PIXELS) -> torch.Tensor:
+    """Decode encoded image bytes to a ``3xHxW`` uint8 RGB tensor: torchvision first, pillow for other formats.
+    An image whose header says it has more than ``max_pixels`` pixels (None: no limit) is an
+    :class:`ImageDecodeError` before anything is decoded (:mod:`.image_header`)."""
     from torchvision.io import ImageReadMode, decode_image
 
     encoded = _as_uint8_tensor(data)
     if encoded.numel() == 0:
         raise ImageDecodeError("image could not be decoded by torchvision or pillow: the image bytes are empty")
+    size = image_size(memoryview(encoded.numpy())) if max_pixels is not None else None
+    if size is not None and size[0] * size[1] > max_pixels:
+        raise ImageDecodeError(f"image of {size[0]} x {size[1]} = {size[0] * size[1]:,} pixels (its header says) is "
+                               f"over max_pixels={max_pixels:,}, so it is not decoded (a decompression bomb takes "
+                               f"{3 * size[0] * size[1] / 2**30:.1f} GiB as RGB); raise ImageText(max_pixels=...) "
+                               f"if such images are wanted")
     if _webp_with_exif(encoded):       # torchvision's WebP decoder ignores the EXIF orientation; pillow applies it
         return _pillow_rgb(encoded.numpy().tobytes())
     try:
@@ -123,7 +135,9 @@ class ImageText:
     One image per row: ``pixels`` is ``3xHxW`` uint8 with H, W multiples of ``patch``; ``grid`` is
     ``(H // patch, W // patch)``; ``image_patches`` lists per-image patch counts for the Planner's costs.
     The image field holds the encoded bytes, or a Hugging Face ``datasets`` image struct
-    ``{"bytes", "path"}`` (its bytes, else the file at its path).
+    ``{"bytes", "path"}`` (its bytes, else the file at its path). An image of more than ``max_pixels``
+    pixels (pillow's limit by default; None: none) fails its row before it is decoded, as a corrupt one does
+    (skipped and counted under ``on_error="skip"``): a small file can decode to gigabytes.
     Text is tokenized exactly as :class:`Tokenize` does. ``preload``: what the rpc runtime's fork server
     imports for it, so a loader actor started mid-run (a reshard, a recovery) decodes at once.
     """
@@ -132,7 +146,7 @@ class ImageText:
 
     def __init__(self, model: str | os.PathLike, image_field: str = "image", text_field: str = "text",
                  patch: int = 14, max_side: int = 448, min_side: int | None = None, add_bos: bool = True,
-                 add_eos: bool = True, max_tokens: int | None = None):
+                 add_eos: bool = True, max_tokens: int | None = None, max_pixels: int | None = MAX_PIXELS):
         if patch < 1 or max_side < patch:
             raise ConfigError(f"ImageText: need 1 <= patch <= max_side, got patch={patch}, max_side={max_side}")
         if min_side is not None and not 1 <= min_side <= max_side:
@@ -140,7 +154,10 @@ class ImageText:
         self.tokenizer = Tokenize(model, field=text_field, add_bos=add_bos, add_eos=add_eos, max_tokens=max_tokens)
         self.model = self.tokenizer.model
         self.image_field, self.text_field = image_field, text_field
+        if max_pixels is not None and (isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1):
+            raise ConfigError(f"ImageText: max_pixels must be a positive int or None (no limit), got {max_pixels!r}")
         self.patch, self.max_side, self.min_side = int(patch), int(max_side), min_side
+        self.max_pixels = max_pixels
         self.columns = (image_field, text_field)
 
     def resize(self, img: torch.Tensor) -> torch.Tensor:
@@ -160,7 +177,7 @@ class ImageText:
         if data is None:
             raise TypeError(f"ImageText: field {self.image_field!r} is null (None), expected encoded image bytes")
         try:
-            img = decode_rgb(data)
+            img = decode_rgb(data, self.max_pixels)
         except ImageDecodeError as e:
             raise ImageDecodeError(f"ImageText: field {self.image_field!r}: {e}") from e.__cause__
         pixels = self.resize(img)
@@ -172,4 +189,5 @@ class ImageText:
         t = self.tokenizer
         return (f"ImageText({t.model!r}, image_field={self.image_field!r}, text_field={self.text_field!r}, "
                 f"patch={self.patch}, max_side={self.max_side}, min_side={self.min_side}, "
-                f"add_bos={t.add_bos}, add_eos={t.add_eos}, max_tokens={t.max_tokens})")
+                f"add_bos={t.add_bos}, add_eos={t.add_eos}, max_tokens={t.max_tokens}"
+                + ("" if self.max_pixels == MAX_PIXELS else f", max_pixels={self.max_pixels}") + ")")
