@@ -153,6 +153,16 @@ def test_state_from_another_configuration_is_refused(data, tmp_path):
         ParquetSource("s", data, seed=1).load_state_dict({"epoch": 0})
 
 
+def test_a_state_over_a_file_now_unreadable_says_it_was_skipped_at_opening(data, tmp_path):
+    """on_error='skip' leaves an unreadable file out at opening: a state taken over it cannot resume, and the
+    refusal says which of its files was left out and why (not only that the lists differ)."""
+    state = ParquetSource("s", data, on_error="skip", seed=1).state_dict()
+    (tmp_path / "data" / "b.parquet").write_bytes(b"no longer parquet" * 20)
+    with pytest.raises(ConfigError, match=r"1 of the state's files was left out at opening.*b\.parquet: .*not a "
+                                          r"readable Parquet file.*restore that file"):
+        ParquetSource("s", data, on_error="skip", seed=1).load_state_dict(state)
+
+
 def test_state_from_a_rewritten_file_is_refused(data, tmp_path):
     state = ParquetSource("s", data).state_dict()
     write(tmp_path / "data" / "b.parquet", range(100, 109), 7)  # same name, other content

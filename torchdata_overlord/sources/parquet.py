@@ -815,7 +815,19 @@ class ParquetSource:
              f"{our_root}")
         raise ConfigError(f"source {self.name!r}: file list differs from the state's ({len(theirs)} vs "
                           f"{len(files)} files); first difference at #{i}: state has {a}, now {b} ({what}). "
-                          f"Restore over the same files (the same files copied under another root are the same).")
+                          f"Restore over the same files (the same files copied under another root are the same)."
+                          + self._left_out_at_open([x[0] for x in theirs]))
+
+    def _left_out_at_open(self, paths: list[str]) -> str:
+        """Why a state's file list no longer matches, when files of ``paths`` were skipped at opening
+        (``on_error="skip"``: unreadable now, or lacking a column): a sentence naming the first, or ""."""
+        gone = {x["file"]: x["error"] for x in self.skips.entries if x["row"] is None}
+        hit = [p for p in paths if p in gone]
+        if not hit:
+            return ""
+        return (f" {len(hit)} of the state's files {'was' if len(hit) == 1 else 'were'} left out at opening under "
+                f"on_error='skip', e.g. {hit[0]}: {gone[hit[0]]}; a state resumes only over the files it was "
+                f"taken over: restore that file, or start this source without the state.")
 
     def _moved(self, old: str | None, new: str, count: int) -> None:
         """Log (once per source and move) that a state taken over files under ``old`` loads over ``new``."""
