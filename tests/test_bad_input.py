@@ -126,6 +126,26 @@ def test_unknown_axis_in_distribute_and_broadcast_at():
         g.distribute("WORLD", module="encoder")
     with pytest.raises(ol.ConfigError, match="group_size must be an integer >= 1, got 0"):
         g.distribute("DP", group_size=0)
+    for axis in ("TP", "pp"):      # TP ranks / PP stages of one DP group must see the same samples
+        with pytest.raises(ol.ConfigError, match=rf"distribute\('{axis}'\): the .*-parallel ranks of a data-parallel "
+                                                 r"group take the same samples.*'DP', 'CP'.*'WORLD'"):
+            g.distribute(axis)
+
+
+def test_a_primitive_after_balance_that_would_discard_it_is_refused():
+    """cost(), mix(), distribute() and select() drop a graph's balance; after balance() plan() then fell back to
+    arrival order with one microbatch a bucket, silently."""
+    g = graph(ol.ClientPlaceTree(dp=2), {"a": [5, 1, 9, 3, 7, 2]}, global_batch=6).mix({"a": 1})
+    balanced = g.distribute("DP").balance("greedy", microbatches=3)
+    for op, call in [("cost", lambda b: b.cost(ol.token_count)), ("mix", lambda b: b.mix({"a": 1})),
+                     ("distribute", lambda b: b.distribute("DP")), ("select", lambda b: b.select(np.ones(6, bool)))]:
+        with pytest.raises(ol.ConfigError, match=rf"{op}\(\) after balance\(\) would throw the balance away.*"
+                                                 rf"call {op}\(\) before balance\(\)"):
+            call(balanced)
+    plan = g.distribute("DP").cost(ol.token_count).balance("greedy", microbatches=3).plan()
+    assert plan.stats["method"] == "greedy" and plan.n_microbatches == 3
+    assert balanced.view("text").distribute("DP").plan() is not None       # a view starts a new branch
+    assert len(repr(balanced)) < 200 and "balanced" in repr(balanced) and "2 buckets" in repr(balanced)
 
 
 def test_mesh_mismatch():
@@ -183,11 +203,12 @@ def test_a_global_batch_smaller_than_the_data_parallel_ranks():
     (lambda g: g.mix({"web": 1}).distribute("DP").balance("greedy", max_tokens=0).plan(), {}, r"max_tokens"),
     (lambda g: None, {}, r"strategy must return a Plan or a DGraph, got NoneType"),
     (lambda g: g.mix({"web": 1}).distribute("DP").plan(), {"global_batch": 1}, r"global_batch 1 is smaller"),
+    (lambda g: g.distribute("DP").plan(), {}, r"never calls mix\(\).*not global_batch=4.*g.mix\(\{'web': 1.0\}\)"),
     (lambda g: g.mix({"web": 1}).distribute("DP").plan(), {"seed": -1}, r"seed must be an integer >= 0"),
     (lambda g: g.mix({"web": 1}).distribute("DP").plan(), {"pad_id": -1}, r"pad_id must be a token id.*got -1"),
     (lambda g: g.mix({"web": 1}).distribute("DP").plan(), {"image_token_id": 2.0},
      r"image_token_id must be a token id.*got 2.0"),
-], ids=["unknown-source", "unknown-axis", "max-tokens", "returns-none", "batch-below-dp", "seed", "pad-id",
+], ids=["unknown-source", "unknown-axis", "max-tokens", "returns-none", "batch-below-dp", "no-mix", "seed", "pad-id",
         "image-token-id"])
 def test_a_bad_strategy_is_refused_where_the_loader_is_made(corpus, runtime, strategy, kw, pattern):
     """Planned once on stand-in metadata before any role starts: under rpc no process is started for it."""
@@ -318,6 +339,8 @@ def test_balance_and_plan_before_distribute(dgraph):
      r"cost function <lambda> returned shape \(3,\); expected one value per sample \(4,\)"),
     (lambda r: -r.tokens * 1.0, r"returned -100.0 for sample a:0; costs must be finite and >= 0"),
     (lambda r: np.where(r.tokens > 250, np.nan, 1.0), r"returned nan for sample a:2"),
+    (lambda r: ["x"] * len(r), r"cost function <lambda> returned list that is not numbers.*return one finite number"),
+    (lambda r: None, r"cost function <lambda> returned shape \(\); expected one value per sample"),
 ])
 def test_bad_cost_functions(dgraph, fn, pattern):
     with pytest.raises(ol.ConfigError, match=pattern):
@@ -362,6 +385,11 @@ def test_user_balancer_overflowing_max_tokens_is_caught(zigzag):
     (lambda p: np.full(len(p.costs), p.n_bins, np.int64), r"balancer 'bad_test' returned a bin outside 0..1"),
     (lambda p: BinAssignment(np.zeros(len(p.costs), np.int64), p.n_bins + 1),
      r"balancer 'bad_test' opened bins although growth was not allowed"),
+    (lambda p: None, r"balancer 'bad_test' returned None; a balancer returns a BinAssignment, or one integer bin"),
+    (lambda p: np.arange(len(p.costs)) % p.n_bins + 0.5, r"balancer 'bad_test' returned bins of dtype float64"),
+    (lambda p: ["x"] * len(p.costs), r"balancer 'bad_test' returned bins of dtype <U1"),
+    (lambda p: BinAssignment(np.zeros(len(p.costs), np.int64), p.n_bins - 1),
+     r"balancer 'bad_test' returned 1 bins where the problem has 2; every bin must stay"),
 ])
 def test_user_balancer_returning_garbage_is_caught(register_temp, result, pattern):
     register_temp("bad_test", result)

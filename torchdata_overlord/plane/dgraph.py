@@ -111,6 +111,23 @@ class DGraph:
     def mesh(self) -> ClientPlaceTree:
         return self.ctx.mesh
 
+    def __repr__(self) -> str:
+        parts = [f"step {self.step}", f"{len(self)} samples of {list(self.sources)}", f"modality={self.modality!r}"]
+        if self.layout is not None:
+            parts.append(f"distributed {self.layout.axis!r} over {len(self.layout.buckets)} buckets")
+        if self.costs is not None:
+            parts.append("costed")
+        if self.placement is not None:
+            parts.append("balanced")
+        return f"DGraph({', '.join(parts)}; render() shows its edges)"
+
+    def _before_balance(self, op: str) -> None:
+        """Refuse ``op`` on a balanced graph: it would drop the balance, and plan() would silently fall back to
+        arrival order (one microbatch a bucket)."""
+        if self.placement is not None:
+            raise ConfigError(f"{op}() after balance() would throw the balance away (plan() would then take the "
+                              f"samples in arrival order, one microbatch a bucket); call {op}() before balance()")
+
     # -- selection -----------------------------------------------------------------------------
     def view(self, modality: str) -> "DGraph":
         """The records of one modality from the same buffer: ``"text"`` (samples with text tokens),
@@ -124,6 +141,7 @@ class DGraph:
 
     def select(self, mask) -> "DGraph":
         """Keep the records where ``mask`` (a boolean array or a function of the records) is true."""
+        self._before_balance("select")
         m = np.asarray(mask(self.records) if callable(mask) else mask, bool)
         if m.shape != (len(self),):
             raise ConfigError(f"select() mask has shape {m.shape}, expected ({len(self)},)")
@@ -133,16 +151,19 @@ class DGraph:
     # -- primitives (each one operator class in plane/primitives) ------------------------------
     def mix(self, schedule) -> "DGraph":
         """Sample this step's global batch from the sources by ``schedule`` (carried-error counts)."""
+        self._before_balance("mix")
         from .primitives.mix import Mix
         return Mix(schedule).apply(self)
 
     def distribute(self, axis: str, group_size: int | None = None, module: str | None = None) -> "DGraph":
         """Split into buckets along ``axis``: ``"DP"``, ``"CP"`` (DP x CP uniform consumers) or ``"WORLD"``."""
+        self._before_balance("distribute")
         from .primitives.distribute import Distribute
         return Distribute(axis, group_size, module).apply(self)
 
     def cost(self, fn: Callable) -> "DGraph":
         """Attach a per-sample cost model ``fn(records) -> array``; ``balance`` equalises it."""
+        self._before_balance("cost")
         from .primitives.cost import Cost
         return Cost(fn).apply(self)
 

@@ -28,8 +28,10 @@ __all__ = ["check_strategy"]
 
 
 def check_strategy(strategy: Callable, mesh: ClientPlaceTree, sources: Sequence[str], global_batch: int,
-                   seed: int) -> None:
-    """Plan step 0 of ``strategy`` on stand-in buffers; re-raise its :class:`ConfigError`, ignore the rest."""
+                   seed: int) -> bool | None:
+    """Plan step 0 of ``strategy`` on stand-in buffers; re-raise its :class:`ConfigError`, ignore the rest.
+    Returns whether one of its schedules takes trainer feedback (``update``: :class:`Dynamic`), None when the
+    stand-ins could not tell."""
     n = max(int(global_batch), 1)
     buffers = [BufferMeta(name, np.arange(n) + i * n, np.ones(n, np.int64)) for i, name in enumerate(sources)]
     ctx = PlanContext(mesh, 0, seed, global_batch)
@@ -39,7 +41,11 @@ def check_strategy(strategy: Callable, mesh: ClientPlaceTree, sources: Sequence[
             out = out.plan()
         if not isinstance(out, Plan):
             raise ConfigError(f"strategy must return a Plan or a DGraph, got {type(out).__name__}")
-        if out.axis == "dp" and "mix" in ctx.state and global_batch < len(out.buckets):
+        if "mix" not in ctx.state:
+            raise ConfigError(f"it never calls mix(), so a step would take every buffered sample (a buffer's worth "
+                              f"of each source), not global_batch={global_batch}; start it with "
+                              f"g.mix({{source: weight, ...}}) (one source: g.mix({{{sources[0]!r}: 1.0}}))")
+        if out.axis == "dp" and global_batch < len(out.buckets):
             # a mix takes global_batch samples a step, whatever the data, and each goes to one DP bucket
             raise ConfigError(f"global_batch {global_batch} is smaller than the {len(out.buckets)} data-parallel ranks "
                               f"of distribute('DP'), so {len(out.buckets) - global_batch} of them would get no "
@@ -48,7 +54,7 @@ def check_strategy(strategy: Callable, mesh: ClientPlaceTree, sources: Sequence[
     except ConfigError as e:
         raise ConfigError(f"the strategy, planned once before the loader starts: {e}") from e
     except Exception:  # noqa: BLE001 - it needs real data: its first step will say what is wrong
-        return
+        return None
     named = _named(strategy, mesh, sources, global_batch, seed)
     unmixed = [name for name in sources if named is not None and name not in named]
     if unmixed:
@@ -56,6 +62,7 @@ def check_strategy(strategy: Callable, mesh: ClientPlaceTree, sources: Sequence[
                       f"{sorted(named)} at steps 0-15 and at every power of two to 2**24): they are never sampled, "
                       f"and their loaders read for nothing; give them a weight, or leave them out of the loader's "
                       f"sources", stacklevel=3)
+    return any(hasattr(s, "update") for s in ctx.live.values())
 
 
 _PROBED_STEPS = (*range(16), *(2 ** k for k in range(4, 25)))

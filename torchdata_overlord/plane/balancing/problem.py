@@ -92,11 +92,19 @@ def run_balancer(name: str, problem: BinProblem) -> BinAssignment:
     """Run a registered method and check that its answer is a valid assignment."""
     out = get_balancer(name)(problem)
     if not isinstance(out, BinAssignment):
-        out = BinAssignment(np.asarray(out, dtype=np.int64), problem.n_bins)
-    bins = np.asarray(out.bins, dtype=np.int64)
+        out = BinAssignment(out, problem.n_bins)
+    raw = np.asarray(out.bins) if out.bins is not None else None
     n = len(problem.costs)
-    if bins.shape != (n,):
-        raise ConfigError(f"balancer {name!r} returned {bins.shape} bins for {n} items")
+    if raw is None or (raw.size and not np.issubdtype(raw.dtype, np.integer)):
+        raise ConfigError(f"balancer {name!r} returned {'None' if raw is None else f'bins of dtype {raw.dtype}'}; a "
+                          f"balancer returns a BinAssignment, or one integer bin per item ({n} items, bins "
+                          f"0..{problem.n_bins - 1})")
+    if raw.shape != (n,):
+        raise ConfigError(f"balancer {name!r} returned {raw.shape} bins for {n} items")
+    bins = raw.astype(np.int64)
+    if out.n_bins < problem.n_bins:
+        raise ConfigError(f"balancer {name!r} returned {out.n_bins} bins where the problem has {problem.n_bins}; "
+                          f"every bin must stay (an empty one is fine)")
     if n and (bins.min() < 0 or bins.max() >= out.n_bins):
         raise ConfigError(f"balancer {name!r} returned a bin outside 0..{out.n_bins - 1}")
     if problem.grow == 0 and out.n_bins != problem.n_bins:

@@ -10,7 +10,12 @@ from ...errors import ConfigError
 def evaluate_cost(fn, records) -> np.ndarray:
     """Run a cost model on records and check its answer (shape, finite, non-negative)."""
     name = getattr(fn, "__name__", repr(fn))
-    out = np.asarray(fn(records), dtype=np.float64)
+    got = fn(records)
+    try:
+        out = np.asarray(got, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"cost function {name} returned {type(got).__name__} that is not numbers ({e}); "
+                          f"return one finite number >= 0 per sample") from e
     if out.shape != (len(records),):
         raise ConfigError(f"cost function {name} returned shape {out.shape}; expected one value per sample ({len(records)},)")
     bad = ~np.isfinite(out) | (out < 0)

@@ -18,6 +18,10 @@ class Distribute:
     def apply(self, g):
         tree = g.mesh.module(self.module) if self.module else g.mesh
         axis = str(self.axis).lower()
+        if axis in ("tp", "pp"):
+            raise ConfigError(f"distribute({self.axis!r}): the {'tensor' if axis == 'tp' else 'pipeline'}-parallel "
+                              f"ranks of a data-parallel group take the same samples, so they cannot be buckets; "
+                              f"distribute along 'DP', 'CP' (DP x CP ranks as uniform consumers) or 'WORLD'")
         buckets = tree.buckets(axis)
         groups = None
         if self.group_size is not None:
