@@ -512,9 +512,8 @@ def test_dynamic_schedule_feedback_through_the_loader_is_deterministic_and_resum
     assert keys(other) != keys(stream)
     with ol.OverlordLoader(make_sources(corpus, names=("web",)), lambda g: g.mix({"web": 1.0}).distribute("DP").plan(),
                            mesh, rank=None, global_batch=4, seq_len=None) as static:
-        static.feedback({"web": 1.0})
         with pytest.raises(ol.ConfigError, match="no schedule"):
-            [x for _, x in zip(range(4), static)]
+            static.feedback({"web": 1.0})
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
@@ -716,3 +715,35 @@ def test_a_finite_stream_ends_with_its_first_finished_source_and_stays_ended(cor
     for a, b in zip(again, items[1:]):
         assert_identical(a, b)
     assert len(again) == len(items) - 1
+
+
+def test_feedback_to_a_strategy_without_a_dynamic_schedule_is_refused_at_the_call(corpus):
+    """Only a schedule with ``update`` (ol.Dynamic) takes feedback: given to another strategy, feedback() raises at
+    the call (the strategy's probe before the start tells), not prefetch steps later in next() when the Planner
+    plans the step it weighs."""
+    mesh = ol.ClientPlaceTree(dp=1)
+    names = ("web", "code")
+
+    def constant(g):
+        return g.mix({"web": 0.5, "code": 0.5}).distribute("DP").plan()
+
+    dynamic = ol.Dynamic({"web": 0.5, "code": 0.5}, lr=1.0)
+
+    def moving(g):
+        return g.mix(dynamic).distribute("DP").plan()
+
+    with ol.OverlordLoader(make_sources(corpus, names=names), constant, mesh, rank=0, global_batch=4,
+                           seq_len=None) as loader:
+        it = iter(loader)
+        next(it)
+        with pytest.raises(ol.ConfigError, match=r"feedback\(\) given, but no schedule of this strategy takes"):
+            loader.feedback({"web": 1.0, "code": 2.0})
+        for _ in range(4):
+            next(it)                                  # the stream goes on: nothing was recorded
+    with ol.OverlordLoader(make_sources(corpus, names=names), moving, mesh, rank=0, global_batch=4,
+                           seq_len=None) as loader:
+        it = iter(loader)
+        next(it)
+        loader.feedback({"web": 1.0, "code": 2.0})
+        for _ in range(4):
+            next(it)

@@ -214,7 +214,7 @@ class OverlordLoader:
         elif placement != "auto":
             extra = dict(placement=placement, autoscale=autoscale)
         check_clients_cover_mesh(mesh, rank, group)        # no mesh rank left without a trainer process
-        check_strategy(strategy, mesh, names, global_batch, seed)
+        self._takes_feedback = check_strategy(strategy, mesh, names, global_batch, seed)   # None: cannot tell
         self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,
                                       buffer_size=buffer_size, workers=workers, image_token_id=image_token_id,
                                       pad_id=pad_id, **extra)
@@ -450,6 +450,9 @@ class OverlordLoader:
         """
         self._check_open("feedback()")
         values = self._checked_feedback(values)
+        if self._takes_feedback is False:       # else the plan it weighs, prefetch steps on, fails in next()
+            raise ConfigError("feedback() given, but no schedule of this strategy takes feedback; mix with a dynamic "
+                              "schedule such as ol.Dynamic")
         if self._pending is not None:          # given after a load_state_dict(): it follows the loaded step
             entry = [self._pending[self.K_STEP] + self.prefetch, values]
             self._pending[self.K_JOB].setdefault(JobState.FEEDBACK, []).append(entry)
