@@ -18,6 +18,12 @@ encoder module. The encoder embeds exactly the images the backbone rows hold: no
 backbone's ``balance(oversize="drop")`` dropped, none whose placeholder run ``oversize="truncate"`` cut off
 entirely (an image cut in part is embedded whole; the row holds its first patches).
 
+A sample is named ``"source:index"`` (``sample_keys``, ``key``, ``image_keys``): ``index`` is what the
+source's ``next_raw`` gave, unique over the run. For ``ParquetSource`` and ``FileSource`` it is ``epoch *
+num_rows + key``, where ``key`` is the row's dense place over the source's sorted files (the same in every
+epoch): ``index % num_rows`` finds the row again, ``index // num_rows`` is the epoch. For ``NodeSource`` it is
+the item's place in the node's stream.
+
 Each microbatch is one packed row (:class:`Microbatch`) in TransformerEngine's THD layout: its
 sequences back to back, ``cu_seqlens`` (real lengths, what attention covers) and
 ``cu_seqlens_padded`` (where each sequence sits), one entry per sequence plus one trailing

@@ -9,7 +9,9 @@ Design, in brief:
   (sorted resolved paths), ``row`` is the row's index within that file and ``offset[file]`` is
   the number of rows in all earlier files (from the Parquet footers, no data read). Keys are
   dense ``0 .. num_rows-1``, identical in every epoch and run over the same file list (wherever it is:
-  sorting paths under one root sorts their relative paths).
+  sorting paths under one root sorts their relative paths). A row's *index* (what ``next_raw`` and
+  iteration give, and the ``"source:index"`` a batch names it by) is ``epoch * num_rows + key``: unique
+  over the run, and ``index % num_rows`` is the key.
 * **Order**: an epoch is a sequence of *units* (one Parquet row group each). The unit order is a
   permutation drawn from ``numpy.random.default_rng([seed, epoch])``; the rows of unit
   ``(file, rg)`` are permuted by ``default_rng([seed, epoch, file, rg])``, so any position can be
