@@ -85,6 +85,12 @@ def test_unknown_source_in_schedule():
     p = ol.Planner(lambda g: g.mix({"web": 1, "wiki": 1}).distribute("DP"), mesh, 4)
     with pytest.raises(ol.ConfigError, match=r"unknown sources \['wiki'\]; the buffers hold \['web', 'code'\]"):
         p.plan(bufs)
+    many = make_buffers({f"src{i:03d}": np.arange(1, 20) for i in range(300)})
+    p = ol.Planner(lambda g: g.mix({"src007": 1, "scr012": 1}).distribute("DP"), mesh, 4)
+    with pytest.raises(ol.ConfigError, match=r"unknown sources \['scr012'\]; 'scr012': did you mean 'src012'\?; the "
+                                             r"buffers hold \['src000', .*'src011', '\.\.\. \(300 in all\)'\]") as err:
+        p.plan(many)
+    assert len(str(err.value)) < 400                 # not every one of 300 names
 
 
 def test_unknown_source_first_named_at_a_later_step():

@@ -178,7 +178,7 @@ def test_prefetch_zero_builds_each_step_in_next_and_resumes(corpus):
         make_loader(corpus, "dp", mesh, prefetch=-1)
 
 
-def test_no_sample_lost_or_repeated_within_an_epoch(corpus):
+def test_no_sample_lost_or_repeated_within_an_epoch(corpus, caplog):
     mesh = ol.ClientPlaceTree(dp=2, cp=2, tp=2)
     sources = make_sources(corpus, epochs=1, names=("web", "code"))
 
@@ -187,7 +187,8 @@ def test_no_sample_lost_or_repeated_within_an_epoch(corpus):
                 .balance("greedy", microbatches=2).broadcast_at("TP").plan())
 
     seen = Counter()
-    with ol.OverlordLoader(sources, strategy, mesh, rank=None, global_batch=8, seq_len=None) as loader:
+    with ol.OverlordLoader(sources, strategy, mesh, rank=None, global_batch=8, seq_len=None) as loader, \
+            caplog.at_level(logging.WARNING, logger="torchdata_overlord"):
         for item in loader:
             for rank, out in item.items():
                 c = mesh.coords(rank)
@@ -196,6 +197,8 @@ def test_no_sample_lost_or_repeated_within_an_epoch(corpus):
                         seen.update(mb["sample_keys"])
         stats = loader.stats()
         assert loader.exhausted_reason and "finished" in loader.exhausted_reason
+    # a mixture cut short by one source is said where the default log level shows it
+    assert [r.levelno for r in caplog.records if "the stream ends" in r.getMessage()] == [logging.WARNING]
     assert seen and max(seen.values()) == 1                      # nothing repeated
     served = sum(s["served"] for s in stats["sources"].values())
     assert len(seen) == served                                   # nothing taken from a loader and lost

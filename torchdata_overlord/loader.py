@@ -356,7 +356,9 @@ class OverlordLoader:
                     self._check_timeout(t0)
                 except SourceExhausted as e:
                     self.exhausted_reason = str(e)
-                    log.info("OverlordLoader: %s", e)
+                    # one source ending a mixture cuts the others off mid-epoch: say so where the default log shows
+                    log.log(logging.WARNING if len(self._sources) > 1 else logging.INFO,
+                            "OverlordLoader: the stream ends: %s", e)
                     self._end()
                     raise StopIteration from None
                 except Exception:           # the step failed: the stream stops here (an interrupt is not caught)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import threading
 import weakref
 
@@ -59,6 +60,15 @@ def _own(schedule, planner) -> None:
             pass
 
 
+def _known(unknown: set, sources: tuple, shown: int = 12) -> str:
+    """The sources there are, for an error naming ``unknown`` ones: the close matches first (a typo), and at most
+    ``shown`` names of a long list (a job of hundreds of sources)."""
+    close = {u: difflib.get_close_matches(u, sources, n=1) for u in sorted(unknown) if isinstance(u, str)}
+    hint = "; ".join(f"{u!r}: did you mean {m[0]!r}?" for u, m in close.items() if m)
+    names = list(sources) if len(sources) <= shown else [*sources[:shown], f"... ({len(sources)} in all)"]
+    return (f"{hint}; " if hint else "") + f"the buffers hold {names}"
+
+
 class Mix:
     """Takes ``counts[s]`` oldest samples of each source (FIFO, so no sample starves in a buffer),
     with counts from largest remainder with carried error, then orders the batch by a shuffle that
@@ -93,7 +103,7 @@ class Mix:
         # this step's names too: a callable schedule may name a source first at a later step
         unknown = (self.schedule.sources() | set(weights)) - set(g.sources)
         if unknown:
-            raise ConfigError(f"mix schedule names unknown sources {sorted(unknown)}; the buffers hold {list(g.sources)}")
+            raise ConfigError(f"mix schedule names unknown sources {sorted(unknown)}; {_known(unknown, g.sources)}")
         app = Apportioner()
         if self.STATE_APPORTION in saved:
             app.load_state_dict(saved[self.STATE_APPORTION])
