@@ -388,11 +388,19 @@ class StuckAfter:
         return self.inner(row)
 
 
+def _warm_up(corpus) -> None:
+    """One step of a plain loader: a process's first step imports what the transforms use (torchvision, sympy:
+    1.5-2 s on a loaded machine), inside the roles' calls, which the 2 s timeouts below also bound."""
+    with make_loader(corpus, "dp", dict(dp=2)) as loader:
+        next(iter(loader))
+
+
 @pytest.mark.slow
 def test_a_transform_stuck_in_user_code_times_out_next_and_close_is_bounded(corpus, caplog):
     """next() raises after ``timeout``; close() then returns within its bound (a role stuck in a call is
     named and left as a daemon thread, as Python cannot stop it) instead of waiting for the transform;
     once the transform returns, the abandoned threads end: nothing is left behind."""
+    _warm_up(corpus)
     before = set(threading.enumerate())
     release = threading.Event()
     sources = make_sources(corpus)
@@ -414,6 +422,59 @@ def test_a_transform_stuck_in_user_code_times_out_next_and_close_is_bounded(corp
         assert "actor 'loader:web' is still in deliver()" in caplog.text
     finally:
         release.set()                                   # the transform returns: the threads left end on their own
+    for t in set(threading.enumerate()) - before:
+        t.join(30)
+    assert set(threading.enumerate()) <= before
+
+
+def _timed(fn, limit: float = 30.0):
+    """``(seconds, what fn returned or raised)`` of ``fn()`` run on a daemon thread, waited for ``limit`` s at
+    most (then ``(limit, None)``: still running)."""
+    out = []
+
+    def run():
+        try:
+            out.append(fn())
+        except Exception as e:              # noqa: BLE001 - returned to the test
+            out.append(e)
+
+    t0 = time.monotonic()
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(limit)
+    return time.monotonic() - t0, (out[0] if out else None)
+
+
+@pytest.mark.slow
+def test_the_local_roles_wait_for_a_stuck_transform_only_the_loaders_timeout(corpus):
+    """runtime="local" gave the calls between roles the local runtime's own timeout, 300 s, whatever
+    ``OverlordLoader(timeout=)`` said: after next() timed out on a transform stuck in user code, the Planner
+    kept waiting for the stuck Source Loader, and ``stats()`` and a retried ``next()`` waited for the Planner
+    (measured: both still waiting after 40 s; 300 s and more). The roles now wait as long as ``next()`` does:
+    both answer within a few timeouts, the retry with an error that says what holds the Planner up."""
+    _warm_up(corpus)
+    before = set(threading.enumerate())
+    release = threading.Event()
+    sources = make_sources(corpus)
+    sources[0] = ParquetSource("web", corpus.sources["web"],
+                               StuckAfter(Tokenize(corpus.spm_model, field=corpus.text_fields["web"]), 40, release))
+    loader = ol.OverlordLoader(sources, strategy_for("dp"), ol.ClientPlaceTree(dp=2), rank=None, global_batch=16,
+                               seq_len=None, image_token_id=corpus.image_token_id, workers={"web": 2}, timeout=2)
+    try:
+        with pytest.raises(TimeoutError, match="no step produced within 2 s"):
+            for _ in loader:
+                pass
+        took, stats = _timed(loader.stats)
+        assert took < 15 and isinstance(stats, dict), (took, stats)
+        took, err = _timed(lambda: next(loader))           # the step again: the loader is still stuck
+        assert took < 15 and isinstance(err, Exception), (took, err)
+        if isinstance(err, ol.OverlordError) and "Planner" in str(err):
+            assert "waiting for a role stuck in user code" in str(err), err
+        took, _ = _timed(loader.close)
+        assert took < 20, took
+    finally:
+        release.set()                                   # the transform returns: the threads left end on their own
+        loader.close()
     for t in set(threading.enumerate()) - before:
         t.join(30)
     assert set(threading.enumerate()) <= before

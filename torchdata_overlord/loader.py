@@ -135,7 +135,9 @@ class OverlordLoader:
     ``python -m torchdata_overlord.launch`` and this process joins them as client ``rank``. The
     strategy must then be picklable (e.g. a module-level function). Several rpc loaders may be open
     in one process: one opened while another runs shares its RPC group and worker processes.
-    Every runtime yields the same batches. ``timeout`` bounds every wait for the next step;
+    Every runtime yields the same batches. ``timeout`` bounds every wait for the next step, and with
+    ``runtime="local"`` each call between the roles too (a Source Loader's fill, a first one included: a role
+    stuck in user code then fails its step, not holding the Planner up; rpc: ``min(timeout, 60)``);
     ``startup_timeout`` bounds the rpc runtime's start-up (processes joining, every Source Loader's first
     buffer): raise it for hundreds of sources.
     Each item: ``{"step": int, "delivery": "data" | "metadata" | "none", "microbatches": list | None,
@@ -211,8 +213,12 @@ class OverlordLoader:
         elif (n_workers, constructors, group, address, spares, fault_tolerance) != (None, None, None, None, 0, None):
             raise ConfigError("n_workers, constructors, group, address, spares and fault_tolerance are options of "
                               "runtime='rpc'")
-        elif placement != "auto":
-            extra = dict(placement=placement, autoscale=autoscale)
+        else:
+            # the roles' calls wait as long as next() does (a first buffer fill included): a role stuck in user
+            # code then fails its step within the user's timeout, not the local runtime's default 300 s
+            extra = dict(timeout=timeout)
+            if placement != "auto":
+                extra.update(placement=placement, autoscale=autoscale)
         check_clients_cover_mesh(mesh, rank, group)        # no mesh rank left without a trainer process
         self._takes_feedback = check_strategy(strategy, mesh, names, global_batch, seed)   # None: cannot tell
         self._job = RUNTIMES[runtime](sources, strategy, mesh, global_batch, seq_len, seed=seed,

@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import copy
 import os
 
+from ..errors import OverlordError
 from ..roles.loader_parts import part_keys
 from .procstats import process_memory
 from .refs import PLANNER, ActorRef, constructor_actor, loader_actor, shadow_actor
@@ -27,11 +28,19 @@ def serving(job) -> tuple[dict[str, str], dict]:
 
 def job_stats(job, wait: float | None = None) -> dict:
     """See :meth:`~.client.Job.stats`; ``wait``: how long to wait for the roles' answers (default: the
-    call timeout, plus 5 s)."""
+    call timeout, plus 5 s). A Planner that does not answer (busy waiting for a stuck role, frozen, gone)
+    is listed in ``"unanswered"``, its roles taken from the configuration."""
     wait = job.timeout + 5 if wait is None else wait
-    roles, info = serving(job)
-    refs = {r: ActorRef(job.transport, a, job.timeout) for r, a in roles.items()}
     got, unanswered = {}, {}
+    try:
+        roles, info = serving(job)
+    except (ActorDied, CallTimeout, OverlordError) as e:     # diagnostics: said, not raised
+        unanswered[PLANNER] = f"{type(e).__name__}: {e}"
+        info = {"loaders": {k: loader_actor(k) for k in job.cfg.parts.keys}, "shadows": {},
+                "constructors": list(job._constructors), "where": {}, "parts": job.cfg.parts.to_dict()}
+        roles = {**{loader_actor(k): a for k, a in info["loaders"].items()},
+                 **{constructor_actor(c): a for c, a in enumerate(info["constructors"])}}
+    refs = {r: ActorRef(job.transport, a, job.timeout) for r, a in roles.items()}
 
     def ask(futs: dict) -> None:
         cf.wait(list(futs.values()), timeout=wait)

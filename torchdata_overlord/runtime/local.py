@@ -14,11 +14,13 @@ import concurrent.futures as cf
 import time
 from typing import Callable, Iterable, Mapping
 
+from ..errors import OverlordError
 from ..plane.place_tree import ClientPlaceTree
 from .client import Job, StepResult
 from .job_config import RoleConfig, start_roles
 from .refs import ActorRef
 from .step import SourceExhausted
+from .transport import CallTimeout
 from .inprocess import InProcessTransport
 
 __all__ = ["LocalJob", "SourceExhausted", "StepResult"]
@@ -81,6 +83,16 @@ class LocalJob(Job):
             except Exception:        # noqa: BLE001 - best effort: stop() follows
                 pass
         cf.wait(futs, timeout=self._close_wait(self.timeout))
+
+    def _planner_lost(self, err: BaseException) -> None:
+        """A call to the Planner timed out: in this process it is not frozen, it is waiting for a role stuck in user
+        code; say so (the rpc runtime's advice, spare processes, would not help)."""
+        if not isinstance(err, CallTimeout):
+            super()._planner_lost(err)
+            return
+        raise OverlordError(f"the Planner did not answer within timeout={self.timeout:g} s ({err}): it is waiting for "
+                            f"a role stuck in user code (a source's transform or read that does not return, or takes "
+                            f"longer than the timeout: raise OverlordLoader(timeout=...) for very slow sources)") from err
 
     def actor(self, name: str):
         """The object behind actor ``name`` (``"planner"``, ``"loader:<source>"``, ``"constructor:0"``):
