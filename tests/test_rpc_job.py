@@ -640,3 +640,55 @@ def test_a_timed_out_next_names_a_frozen_role_process(corpus):
         if pid is not None:
             faults.thaw(pid)
         loader.close()
+
+
+class StuckFrom:
+    """A transform (picklable) that from its ``n``-th row on waits until the file ``release`` exists, 120 s at most:
+    user code that does not return."""
+
+    def __init__(self, inner, n, release):
+        self.inner, self.n, self.release, self.calls = inner, n, release, 0
+
+    def __call__(self, row):
+        import time
+
+        self.calls += 1
+        deadline = time.monotonic() + 120
+        while self.calls >= self.n and not os.path.exists(self.release) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.inner(row)
+
+
+@pytest.mark.slow
+def test_the_stats_a_close_keeps_wait_for_a_busy_role_only_the_close_bound(corpus, tmp_path):
+    """A job's close first keeps the roles' stats, for ``stats()`` after it. Under rpc (no close deadline of
+    the local runtime's), a role busy in a call, here a Source Loader whose transform is stuck in user code,
+    was waited for until its calls timed out, up to twice (60 to 120 s at the defaults; 8 s with timeout=8,
+    measured). It now gets ``min(timeout, 5)`` s in all, and is listed as unanswered."""
+    import time
+
+    from torchdata_overlord.runtime.client_stats import snapshot
+
+    release = tmp_path / "release"
+    sources = make_sources(corpus)
+    sources[0] = ParquetSource("web", corpus.sources["web"],
+                               StuckFrom(Tokenize(corpus.spm_model, field=corpus.text_fields["web"]), 40, str(release)))
+    transport = InProcessTransport()          # the rpc job's code, in this process
+    job = None
+    try:
+        job = RpcJob(sources, vlm_strategy, make_mesh(), transport=transport, timeout=8, **job_kwargs(corpus))
+        # the Planner gives up on the stuck loader after its call timeout, twice 8 s (then nothing replaces it)
+        with pytest.raises(ol.OverlordError, match="loader:web"):
+            for _ in range(20):
+                job.step()
+        t0 = time.monotonic()
+        kept = snapshot(job)
+        took = time.monotonic() - t0
+        assert took < 7, took
+        assert "loader:web" in kept["unanswered"] and "error" in kept["sources"]["web"], kept["unanswered"]
+        assert "error" not in kept["planner"] and kept["sources"]["caps"]["buffered"] > 0
+    finally:
+        release.touch()                       # the transform returns
+        if job is not None:
+            job.close()
+        transport.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import copy
 import os
+import time
 
 from ..errors import OverlordError
 from ..roles.loader_parts import part_keys
@@ -15,10 +16,11 @@ from .transport import ActorDied, CallTimeout
 __all__ = ["serving", "job_stats", "snapshot", "closed_stats"]
 
 
-def serving(job) -> tuple[dict[str, str], dict]:
-    """Every role that serves now -> its actor (a replacement's name), asking the Planner. Roles keep
-    their names across recoveries: ``planner``, ``loader:<source>``, ``shadow:<source>``, ``constructor:<i>``."""
-    info = job._ask_planner(lambda p: p.roles())
+def serving(job, info: dict | None = None) -> tuple[dict[str, str], dict]:
+    """Every role that serves now -> its actor (a replacement's name), asking the Planner (``info``: its
+    ``roles()`` answer, when the caller has it). Roles keep their names across recoveries: ``planner``,
+    ``loader:<source>``, ``shadow:<source>``, ``constructor:<i>``."""
+    info = job._ask_planner(lambda p: p.roles()) if info is None else info
     job.transport.learn(info["where"])
     roles = {PLANNER: job.planner_name, **{loader_actor(n): a for n, a in info["loaders"].items()},
              **{constructor_actor(c): a for c, a in enumerate(info["constructors"])},
@@ -26,14 +28,16 @@ def serving(job) -> tuple[dict[str, str], dict]:
     return roles, info
 
 
-def job_stats(job, wait: float | None = None) -> dict:
-    """See :meth:`~.client.Job.stats`; ``wait``: how long to wait for the roles' answers (default: the
-    call timeout, plus 5 s). A Planner that does not answer (busy waiting for a stuck role, frozen, gone)
+def job_stats(job, wait: float | None = None, info: dict | None = None) -> dict:
+    """See :meth:`~.client.Job.stats`; ``wait``: how long to wait for the roles' answers, in all (default: the
+    call timeout, plus 5 s); ``info``: the Planner's ``roles()`` answer, when the caller has it (then the
+    Planner is not asked again). A Planner that does not answer (busy waiting for a stuck role, frozen, gone)
     is listed in ``"unanswered"``, its roles taken from the configuration."""
     wait = job.timeout + 5 if wait is None else wait
+    deadline = time.monotonic() + wait
     got, unanswered = {}, {}
     try:
-        roles, info = serving(job)
+        roles, info = serving(job, info)
     except (ActorDied, CallTimeout, OverlordError) as e:     # diagnostics: said, not raised
         unanswered[PLANNER] = f"{type(e).__name__}: {e}"
         info = {"loaders": {k: loader_actor(k) for k in job.cfg.parts.keys}, "shadows": {},
@@ -43,7 +47,7 @@ def job_stats(job, wait: float | None = None) -> dict:
     refs = {r: ActorRef(job.transport, a, job.timeout) for r, a in roles.items()}
 
     def ask(futs: dict) -> None:
-        cf.wait(list(futs.values()), timeout=wait)
+        cf.wait(list(futs.values()), timeout=max(0.0, deadline - time.monotonic()))
         for (kind, r), fut in futs.items():
             try:
                 got[kind, r] = fut.result(timeout=0)
@@ -117,14 +121,18 @@ def by_source(loaders: dict[str, dict], counts: dict[str, int]) -> dict[str, dic
 
 def snapshot(job) -> dict | None:
     """The stats as :meth:`~.client.Job.close` begins, for ``stats()`` after it: only when the job had
-    no failure and its Planner answers within a few seconds (a close never waits on a lost role; under a
-    close's deadline, :class:`~.local.LocalJob`'s, a role busy in a call that long is listed as unanswered)."""
+    no failure and its Planner answers, all within ``min(timeout, 5)`` s (a close never waits on a lost role,
+    nor a call timeout on a busy one: a role busy in a call that long is listed as unanswered; under a close's
+    deadline, :class:`~.local.LocalJob`'s, within what is left of it)."""
     t = job._close_wait(min(job.timeout, 5.0))
+    end = time.monotonic() + t
     try:
         if not job._running or job._stopped is not None or job.faults["failures"] or t <= 0:
             return None
-        job.planner.roles(timeout=t).result(t + 1)
-        return job_stats(job, wait=None if job._close_by is None else job._close_wait(t))
+        info = job.planner.roles(timeout=t).result(t + 1)
+        # the roles get what is left of the same few seconds: a role busy in a call (a transform stuck in user
+        # code) held an rpc job's close up here until its calls timed out, up to twice (60 to 120 s at the defaults)
+        return job_stats(job, wait=max(0.0, min(job._close_wait(t), end - time.monotonic())), info=info)
     except Exception:                    # noqa: BLE001 - diagnostics only: close anyway
         return None
 
