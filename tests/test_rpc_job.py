@@ -642,6 +642,42 @@ def test_a_timed_out_next_names_a_frozen_role_process(corpus):
         loader.close()
 
 
+@pytest.mark.slow
+def test_close_after_a_frozen_planner_waits_for_no_call_to_it(corpus):
+    """Without fault tolerance, after next() timed out on a frozen Planner, close() still called it: the stats
+    snapshot, the Planner's own stats and every role's close each waited out a call timeout, and the frozen
+    worker got the full stop_timeout to exit (32 s with timeout=6, measured; over 2 minutes at the defaults).
+    close() now pings the roles' processes first and sends a frozen one nothing: it returns within a few
+    seconds, and every worker process, the frozen one too, is gone."""
+    import threading
+    import time
+
+    from torchdata_overlord.runtime import faults
+
+    loader = ol.OverlordLoader(make_sources(corpus), vlm_strategy, make_mesh(), rank=0, global_batch=8, seq_len=None,
+                               image_token_id=corpus.image_token_id, runtime="rpc", n_workers=2, prefetch=0, timeout=6)
+    pid, pids = None, list(loader._job.transport.worker_pids)
+    try:
+        it = iter(loader)
+        next(it)
+        pid = faults.freeze_role(loader, "planner")
+        with pytest.raises(TimeoutError, match=r"'planner'.* answers no ping"):
+            for _ in range(4):                       # (a step already on its way may still come)
+                next(it)
+        closing = threading.Thread(target=loader.close, daemon=True)
+        t0 = time.monotonic()
+        closing.start()
+        closing.join(90)
+        took = time.monotonic() - t0
+        assert not closing.is_alive() and took < 8, took
+        assert loader.stats()["closed"] and "planner" not in loader.stats()["roles"]
+        assert len(pids) == 2 and not [p for p in pids if _alive(p)]
+    finally:
+        if pid is not None and _alive(pid):
+            faults.thaw(pid)
+        loader.close()
+
+
 class StuckFrom:
     """A transform (picklable) that from its ``n``-th row on waits until the file ``release`` exists, 120 s at most:
     user code that does not return."""

@@ -28,11 +28,12 @@ def serving(job, info: dict | None = None) -> tuple[dict[str, str], dict]:
     return roles, info
 
 
-def job_stats(job, wait: float | None = None, info: dict | None = None) -> dict:
+def job_stats(job, wait: float | None = None, info: dict | None = None, skip_silent: bool = False) -> dict:
     """See :meth:`~.client.Job.stats`; ``wait``: how long to wait for the roles' answers, in all (default: the
     call timeout, plus 5 s); ``info``: the Planner's ``roles()`` answer, when the caller has it (then the
     Planner is not asked again). A Planner that does not answer (busy waiting for a stuck role, frozen, gone)
-    is listed in ``"unanswered"``, its roles taken from the configuration."""
+    is listed in ``"unanswered"``, its roles taken from the configuration. ``skip_silent``: roles whose process
+    answered no ping at the close's (:meth:`~.client.Job._find_silent`) are listed so, not asked."""
     wait = job.timeout + 5 if wait is None else wait
     deadline = time.monotonic() + wait
     got, unanswered = {}, {}
@@ -44,7 +45,12 @@ def job_stats(job, wait: float | None = None, info: dict | None = None) -> dict:
                 "constructors": list(job._constructors), "where": {}, "parts": job.cfg.parts.to_dict()}
         roles = {**{loader_actor(k): a for k, a in info["loaders"].items()},
                  **{constructor_actor(c): a for c, a in enumerate(info["constructors"])}}
-    refs = {r: ActorRef(job.transport, a, job.timeout) for r, a in roles.items()}
+    asked = dict(roles)
+    for r, a in roles.items() if skip_silent else ():
+        if not job._answers(a):
+            unanswered[r] = "its process answered no ping (frozen or gone)"
+            del asked[r]
+    refs = {r: ActorRef(job.transport, a, job.timeout) for r, a in asked.items()}
 
     def ask(futs: dict) -> None:
         cf.wait(list(futs.values()), timeout=max(0.0, deadline - time.monotonic()))
@@ -127,12 +133,14 @@ def snapshot(job) -> dict | None:
     t = job._close_wait(min(job.timeout, 5.0))
     end = time.monotonic() + t
     try:
-        if not job._running or job._stopped is not None or job.faults["failures"] or t <= 0:
+        if not job._running or job._stopped is not None or job.faults["failures"] or t <= 0 or \
+                not job._answers(job.planner_name):
             return None
         info = job.planner.roles(timeout=t).result(t + 1)
         # the roles get what is left of the same few seconds: a role busy in a call (a transform stuck in user
         # code) held an rpc job's close up here until its calls timed out, up to twice (60 to 120 s at the defaults)
-        return job_stats(job, wait=max(0.0, min(job._close_wait(t), end - time.monotonic())), info=info)
+        return job_stats(job, wait=max(0.0, min(job._close_wait(t), end - time.monotonic())), info=info,
+                         skip_silent=True)
     except Exception:                    # noqa: BLE001 - diagnostics only: close anyway
         return None
 
