@@ -24,7 +24,8 @@ from torchdata_overlord.runtime.local import LocalJob
 from torchdata_overlord.sim.corpus import build_demo_corpus
 from torchdata_overlord.testing import assert_identical
 
-from test_launch import CONFIG, ROOT, env_for, finish, free_port, launcher, trainer, wait_gone
+from test_launch import CONFIG, ROOT, env_for, finish, free_port, kill_left, launcher, trainer, wait_gone
+from test_rpc_job import _alive
 
 FT_CONFIG = CONFIG + """
 CKPT = {ckpt!r}
@@ -176,3 +177,90 @@ def test_a_launched_job_recovers_a_killed_loader_and_planner_on_its_nodes_spares
     assert roles["loader:caps"] in spares and roles["planner"] in spares and roles["constructor:1"] in spares
     assert got[0]["client_faults"]["recoveries"], got[0]["client_faults"]
     assert not wait_gone(pids + [k["pid"] for k in killed])
+
+
+# trainer 0 of the freeze test: freezes (SIGSTOP) the process of the role argv[4] after step 2 and reads on, its
+# next() waiting at most 30 s
+FREEZER = """
+import sys, torch
+import torchdata_overlord as ol
+from torchdata_overlord.runtime import faults
+from torchdata_overlord.sim.corpus import build_demo_corpus
+corpus = build_demo_corpus({root!r}, scale="test", seed=0)
+rank, steps, out, role = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+items, frozen = [], None
+with ol.OverlordLoader(["web", "caps"], None, ol.ClientPlaceTree(dp=2), rank=rank, global_batch=8, seq_len=None,
+                       image_token_id=corpus.image_token_id, runtime="rpc", address={address!r}, timeout=30) as loader:
+    for i, item in enumerate(loader):
+        items.append(item)
+        if i == 2:
+            frozen = faults.freeze_role(loader, role)
+            print("frozen", frozen, flush=True)
+        if len(items) == steps:
+            break
+    torch.save({{"items": items, "frozen": frozen, "call_timeout": loader._job.timeout,
+                 "recoveries": loader.stats()["planner"]["recoveries"]}}, out)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["loader:caps", "constructor:0"])
+def test_a_launched_job_replaces_a_frozen_role_within_its_config_call_timeout(corpus, tmp_path, role):
+    """A launched job's roles called each other with ``--rpc-timeout`` (60 s) and its trainers with their own
+    ``min(timeout, 60)``, and its config could not say otherwise: a frozen role was found only after a few
+    minutes' call timeouts, past the trainers' ``next()`` timeout (a trial: TimeoutError at step 6 with
+    timeout=200). The config's ``call_timeout`` is now every role's and trainer's call timeout (30 s by default
+    with fault tolerance, as ``FaultTolerance``'s): here 4 s, and a frozen Source Loader (found by the Planner) or
+    Data Constructor (replaced by the Planner; trainer 0's fetch to it waits four call timeouts: before, the
+    trainer's own, 80 s, and next() raised TimeoutError after 20 s, measured with --rpc-timeout 4) is replaced while
+    the trainers read on, with ``next()`` waiting at most 30 s, and receive the local runtime's stream."""
+    port, steps = free_port(), 8
+    config = tmp_path / "ljob.py"
+    config.write_text(FT_CONFIG.format(root=str(corpus.root), constructors=None, mesh={"dp": 2}, web=None,
+                                       ckpt=str(tmp_path / "ckpt"))
+                      + "\n\n_ft_job = job\n\n\ndef job():\n    return dict(_ft_job(), call_timeout=4.0)\n")
+    node = launcher(config, port, "--ping-every", "0.5")
+    out0 = tmp_path / "trainer-0.pt"
+    lead = subprocess.Popen([sys.executable, "-c", FREEZER.format(root=str(corpus.root), address=f"127.0.0.1:{port}"),
+                             "0", str(steps), str(out0), role], env=env_for(port), cwd=str(ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    other, out1 = trainer(tmp_path, corpus, port, 1, steps)
+    frozen = None
+    try:
+        said = lines_of(lead.stdout)
+        deadline = time.monotonic() + 120
+        while frozen is None:
+            line = said.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, "trainer 0 ended before it froze the loader"
+            if line.startswith("frozen "):
+                frozen = int(line.split()[1])
+        results = finish([lead, other, node], 120)
+    finally:
+        kill_left([lead, other, node])
+        if frozen is not None and _alive(frozen):
+            os.kill(frozen, signal.SIGKILL)              # (SIGKILL ends a stopped process too)
+    for i, (rc, err) in enumerate(results):
+        (tmp_path / f"stderr-{i}.txt").write_text(f"exit code {rc}\n{err}")
+    assert all(rc == 0 for rc, _ in results), [err[-3000:] for _, err in results]
+
+    spec = importlib.util.spec_from_file_location("ljob_freeze", config)     # the same config, in this process
+    ljob = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ljob)
+    kw = {k: v for k, v in ljob.job().items()
+          if k not in ("constructors", "checkpoint_dir", "snapshot_every", "shadows", "call_timeout")}
+    job = LocalJob(**kw)
+    try:
+        reference = [job.step().outputs for _ in range(steps)]
+    finally:
+        job.close()
+    got = [torch.load(out, weights_only=False) for out in (out0, out1)]
+    for r, g in enumerate(got):
+        assert [it["step"] for it in g["items"]] == list(range(steps))
+        for k, item in enumerate(g["items"]):
+            assert_identical(item["microbatches"], reference[k][r]["microbatches"])
+    assert got[0]["call_timeout"] == 4.0
+    # (on a loaded machine a 4 s call timeout may also replace a role that was only slow: the stream is the same)
+    recovered = [r for r in got[0]["recoveries"] if (r["kind"], r["role"]) == (role.split(":")[0], role)]
+    assert len(recovered) == 1 and recovered[0]["seconds"] < 30, got[0]["recoveries"]
+    pids, _ = worker_pids(results[2][1])
+    assert frozen in pids and not wait_gone(pids)

@@ -6,8 +6,11 @@ The config is a Python file whose ``job()`` returns the loader's keyword argumen
 ``seq_len`` and optionally ``seed``, ``buffer_size``, ``workers``, ``image_token_id``, ``pad_id``,
 ``ignore_index``, ``constructors`` (Data Constructors, default one per DP group), ``clients``
 (trainer processes that will connect, default every rank of the mesh) and the fault-tolerance
-settings ``checkpoint_dir``, ``snapshot_every`` and ``shadows``. Trainers connect with
-``OverlordLoader(..., runtime="rpc", address="MASTER_ADDR:MASTER_PORT", rank=r)``.
+settings ``checkpoint_dir``, ``snapshot_every``, ``shadows`` and ``call_timeout`` (seconds a role's call
+may take before the role counts as failed, as ``FaultTolerance(call_timeout=...)``; default
+``--rpc-timeout``, else 30 s with fault tolerance, FaultTolerance's, else 60 s). Trainers connect with
+``OverlordLoader(..., runtime="rpc", address="MASTER_ADDR:MASTER_PORT", rank=r)`` and call the roles with
+the job's call timeout, whatever their own ``timeout=`` (which bounds ``next()``).
 
 Each node starts ``--workers-per-node`` role worker processes (default: enough for one role per
 process over all nodes) and, with fault tolerance (a ``checkpoint_dir`` or ``shadows``),
@@ -70,7 +73,8 @@ REPORT_GRACE = 3.0
 STOP_WAIT = 15.0
 JOB_KEYS = ("sources", "strategy", "mesh", "global_batch", "seq_len", "seed", "buffer_size", "workers",
             "image_token_id", "pad_id", "ignore_index", "constructors", "clients", "checkpoint_dir", "snapshot_every",
-            "shadows")
+            "shadows", "call_timeout")
+DEFAULT_CALL_TIMEOUT = 60.0        # a role call's timeout without fault tolerance (with it: FaultTolerance's)
 
 
 def load_config(path: str) -> dict:
@@ -93,11 +97,21 @@ def load_config(path: str) -> dict:
     return kwargs
 
 
-def role_config(kwargs: dict, timeout: float) -> RoleConfig:
+def role_config(kwargs: dict, rpc_timeout: float | None) -> RoleConfig:
+    """The roles' configuration; their call timeout is ``--rpc-timeout`` where given, else the config's
+    ``call_timeout``, else FaultTolerance's default with fault tolerance (a frozen role is then found, and
+    replaced, within a trainer's default ``next()`` timeout, as under ``runtime="rpc"``), else 60 s."""
+    from .loader import FaultTolerance
+
     kw = dict(kwargs)
     clients = kw.pop("clients", None) or kw["mesh"].world_size
+    call = kw.pop("call_timeout", None)
+    if rpc_timeout is None:
+        fault_tolerant = kw.get("checkpoint_dir") is not None or bool(kw.get("shadows"))
+        rpc_timeout = call if call is not None else \
+            FaultTolerance.call_timeout if fault_tolerant else DEFAULT_CALL_TIMEOUT
     return RoleConfig(kw.pop("sources"), kw.pop("strategy"), kw.pop("mesh"), kw.pop("global_batch"), kw.pop("seq_len"),
-                      clients=clients, timeout=timeout, **kw)
+                      clients=clients, timeout=rpc_timeout, **kw)
 
 
 def parse_args(argv):
@@ -117,7 +131,9 @@ def parse_args(argv):
     ap.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for node 0's store")
     ap.add_argument("--join-timeout", type=float, default=600.0,
                     help="seconds node 0 waits for every worker and trainer to join")
-    ap.add_argument("--rpc-timeout", type=float, default=60.0, help="seconds every role call may take")
+    ap.add_argument("--rpc-timeout", type=float, default=None,
+                    help="seconds every role call may take (default: the config's call_timeout, else 30 with fault "
+                         "tolerance, as FaultTolerance's, else 60)")
     ap.add_argument("--ping-every", type=float, default=2.0, help="seconds between trainer liveness checks")
     a = ap.parse_args(argv)
     a.master_addr = env.get("MASTER_ADDR", "127.0.0.1")
@@ -194,7 +210,7 @@ class Launcher:
         rendezvous = {"session": uuid.uuid4().hex, "ns": "", "address": self.address,
                       "init_method": f"{SCHEME}://{self.address}", "world_size": n + c + 1,
                       "n_workers": n, "client_ranks": [n + i for i in range(c + 1)],
-                      "rpc_timeout": a.rpc_timeout, "env": env if a.interface == "lo" else {},
+                      "rpc_timeout": self.cfg.timeout, "env": env if a.interface == "lo" else {},
                       "stop_notice_s": self.stop_notice_s}
         return {"rendezvous": rendezvous, "placement": self.cfg.placement(self.n_workers),
                 "fingerprint": self.cfg.fingerprint(), "nodes": a.nodes, "workers_per_node": self.per_node,
@@ -225,7 +241,8 @@ class Launcher:
         mine = list(range(first, first + self.per_node)) + self.spare_indices(a.node_rank)
         own = {"TP_SOCKET_IFNAME": a.interface, "GLOO_SOCKET_IFNAME": a.interface}   # this node's network
         os.environ.update(own)
-        self.procs, self.conns = spawn_workers([(W.worker_name(i), i) for i in mine], dict(rv, env=own), a.rpc_timeout)
+        self.procs, self.conns = spawn_workers([(W.worker_name(i), i) for i in mine], dict(rv, env=own),
+                                               self.cfg.timeout)
         log.info("node %d: started workers %s (pids %s), spares %s", a.node_rank, mine, [p.pid for p in self.procs],
                  self.spare_indices(a.node_rank))
         return layout

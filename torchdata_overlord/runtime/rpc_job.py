@@ -59,7 +59,7 @@ class RpcJob(Job):
     must exist then).
     ``checkpoint_dir``, ``snapshot_every`` and ``shadows`` make failed roles replaceable (see
     :mod:`~torchdata_overlord.runtime.planner_actor`); ``timeout`` is each call's, so also how long a
-    frozen role goes unnoticed."""
+    frozen role goes unnoticed (joining a launched job, ``address=``: the launcher's, which its roles use)."""
 
     def __init__(self, sources: Iterable, strategy: Callable, mesh: ClientPlaceTree, global_batch: int,
                  seq_len: int | None, seed: int = 0, buffer_size: int | Mapping[str, int] | None = None,
@@ -118,6 +118,9 @@ class RpcJob(Job):
                 from .rendezvous import join_launched
                 self.client = 0 if client is None else client
                 self.transport, layout = join_launched(address, cfg, self.client, startup_timeout, stop_timeout)
+                # the roles' call timeout, the launcher's: this client's fetches wait a few of them, as the roles do
+                # for each other (a frozen constructor is then found within a trainer's next() timeout)
+                self.timeout = float(layout["rendezvous"]["rpc_timeout"])
                 self.n_workers = int(layout.get("role_workers", self.transport.n_workers))
                 self.spares = len(layout.get("spares", []))     # the launcher's: it starts a new Planner there
                 self._host_registry(int(layout["fingerprint"]["clients"]))
