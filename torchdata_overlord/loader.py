@@ -594,7 +594,8 @@ class OverlordLoader:
         idempotent. Bounded, also after a ``next()`` that timed out on a stuck source: with
         ``runtime="local"`` within about 11 s (5 after a Ctrl-C), a role still in user code (a transform
         that does not return, which Python cannot stop) being named in a warning and left running as a
-        daemon thread that does not keep the process from exiting."""
+        daemon thread that does not keep the process from exiting; with ``runtime="rpc"``, a role whose process
+        answers no ping (frozen, e.g. SIGSTOP, or gone) is not waited for: its worker is killed."""
         self._close()
 
     def _close(self, interrupted: bool = False) -> None:

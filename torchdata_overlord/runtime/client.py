@@ -315,7 +315,8 @@ class Job(ClientRecovery):
         """Leave the job, first keeping what :meth:`stats` says (bounded). A client of a launched job
         tells the launcher and leaves, another client of a trainer group just leaves; client 0 of a
         job it started first waits (up to the timeout) for the other clients to close it, then closes
-        the roles (bounded, errors ignored) and stops the workers (unless another job shares them).
+        the roles (bounded, errors ignored) and stops the workers (unless another job shares them). A role whose
+        process answers no ping (frozen or gone: :meth:`_find_silent`) is sent nothing and not waited for.
         ``interrupted``: closing on a Ctrl-C (see :meth:`.local.LocalJob.close`; the worker processes of
         an rpc job are stopped the same way either way)."""
         if self._closed:
