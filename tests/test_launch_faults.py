@@ -222,8 +222,8 @@ def test_a_launched_job_replaces_a_frozen_role_within_its_config_call_timeout(co
     node = launcher(config, port, "--ping-every", "0.5")
     out0 = tmp_path / "trainer-0.pt"
     lead = subprocess.Popen([sys.executable, "-c", FREEZER.format(root=str(corpus.root), address=f"127.0.0.1:{port}"),
-                             "0", str(steps), str(out0), role], env=env_for(port), cwd=str(ROOT), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             "0", str(steps), str(out0), role], env=env_for(port), cwd=str(ROOT),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     other, out1 = trainer(tmp_path, corpus, port, 1, steps)
     frozen = None
     try:

@@ -92,7 +92,8 @@ class LocalJob(Job):
             return
         raise OverlordError(f"the Planner did not answer within timeout={self.timeout:g} s ({err}): it is waiting for "
                             f"a role stuck in user code (a source's transform or read that does not return, or takes "
-                            f"longer than the timeout: raise OverlordLoader(timeout=...) for very slow sources)") from err
+                            f"longer than the timeout: raise OverlordLoader(timeout=...) for very slow sources)"
+                            ) from err
 
     def actor(self, name: str):
         """The object behind actor ``name`` (``"planner"``, ``"loader:<source>"``, ``"constructor:0"``):
