@@ -44,11 +44,29 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 
 
 def _dict_bytes(d: dict) -> int:
-    return sum(map(record_bytes, d.values()))
+    return _values_bytes(d.values())
 
 
 def _seq_bytes(s) -> int:
-    return sum(map(record_bytes, s))
+    return _values_bytes(s)
+
+
+_LEAVES = frozenset((int, float, bool, type(None)))
+
+
+def _values_bytes(values) -> int:
+    """:func:`record_bytes` of each value, summed; a record's usual values (a tensor, a number) inline, without
+    the calls (a delivery sizes every sample it sends: the calls were most of it)."""
+    n = 0
+    for v in values:
+        t = type(v)
+        if t is torch.Tensor:
+            n += v.nbytes
+        elif t in _LEAVES:
+            n += 8
+        else:
+            n += record_bytes(v)
+    return n
 
 
 def _leaf_bytes(_) -> int:
@@ -234,10 +252,11 @@ class SourceLoader(BaseNode[tuple]):
                 if records.get(index) is not SKIPPED]
         rows: list[tuple] = []
         held: list[tuple] = []          # the entries of ``rows``
+        known = self._text_meta_rows([e[1] for e in kept])
         try:
-            for e in kept:
+            for e, row in zip(kept, known):
                 try:
-                    rows.append((0, 0, 0, 0.0) if e[1] is _PLACE else self._meta_row(e[1]))
+                    rows.append(row if row is not None else (0, 0, 0, 0.0) if e[1] is _PLACE else self._meta_row(e[1]))
                 except _StrayPlaceholder as stray:
                     where = next((r[2] for r in raws if r[0] == e[0]), None)
                     if not self._skips(stray, where):
@@ -259,6 +278,29 @@ class SourceLoader(BaseNode[tuple]):
             return False
         source.skip_sample(where, stray.reason())
         return True
+
+    def _text_meta_rows(self, records: list) -> list:
+        """:meth:`_meta_row` of each text record as Tokenize gives it (most rows), None for the others (left to
+        :meth:`_meta_row`): their ids are scanned for the image placeholder in one pass, not one per record
+        (numpy's per-call cost was most of a row's bookkeeping). A hit leaves every row to :meth:`_meta_row`,
+        which raises for the first stray one in order, as before."""
+        tid, tensor = self.image_token_id, torch.Tensor
+        out, arrays = [], []
+        for record in records:
+            row = None
+            if type(record) is dict and "pixels" not in record and "image_patches" not in record:
+                ids = record.get("input_ids")
+                if type(ids) is tensor and ids.dim() == 1:
+                    if tid is None:
+                        row = (ids.shape[0], 0, 0, 0.0)
+                    else:
+                        a = ids.numpy()
+                        arrays.append(a)
+                        row = (len(a), 0, 0, 0.0)
+            out.append(row)
+        if arrays and (np.concatenate(arrays) == tid).any():
+            return [None] * len(records)
+        return out
 
     def _meta_row(self, record) -> tuple[int, int, int, float]:
         """(tokens with image placeholders, images, patches, sum of squared patches), computed once."""
