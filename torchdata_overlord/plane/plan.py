@@ -89,15 +89,22 @@ class Plan:
         return [r for r in range(self.mesh.world_size) if self.delivery(r) == delivery]
 
     def bucket_microbatches(self, bucket: int) -> list[list[PlanItem]]:
+        bounds, cols = self.bucket_columns(bucket)
+        items = [PlanItem(*c) for c in zip(*cols)]
+        return [items[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+
+    def bucket_columns(self, bucket: int) -> tuple[list[int], list[list]]:
+        """``bucket``'s entries as Python lists, one per :class:`PlanItem` field (source names, indices,
+        tokens, piece, npieces, shard, nshards), and where each microbatch starts in them (``n_microbatches
+        + 1`` bounds, from 0): what :meth:`bucket_microbatches` gives, without an object per entry."""
+        n = self.n_microbatches
+        starts = self._starts[bucket * n:(bucket + 1) * n + 1]
+        lo, hi = int(starts[0]), int(starts[-1])
         e, recs = self.entries, self.records
-        out = []
-        for m in range(self.n_microbatches):
-            lo, hi = self._starts[bucket * self.n_microbatches + m], self._starts[bucket * self.n_microbatches + m + 1]
-            rows, names = e["row"][lo:hi], recs.sources       # columns as Python ints in one go each
-            out.append([PlanItem(names[sid], *rest) for sid, *rest in
-                        zip(recs.source_id[rows].tolist(), recs.index[rows].tolist(),
-                            *(e[k][lo:hi].tolist() for k in ("tokens", "piece", "npieces", "shard", "nshards")))])
-        return out
+        rows, names = e["row"][lo:hi], recs.sources
+        cols = [[names[s] for s in recs.source_id[rows].tolist()], recs.index[rows].tolist(),
+                *(e[k][lo:hi].tolist() for k in ("tokens", "piece", "npieces", "shard", "nshards"))]
+        return (starts - lo).tolist(), cols
 
     def microbatches(self, rank: int) -> list[list[PlanItem]]:
         """The microbatches ``rank`` consumes (``[]`` for a client that receives nothing).

@@ -37,6 +37,7 @@ outputs as read-only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate, islice
 from typing import Any, Mapping
 
 import numpy as np
@@ -135,8 +136,12 @@ def _backbone(ids: np.ndarray, image_token_id: int | None, n: int, a: int, b: in
     the rest of it (a view of ``ids`` where they hold them all)."""
     if a >= n:
         return ids[a - n:b - n]
-    fill = np.full(min(b, n) - a, image_token_id, np.int64)
-    return fill if b <= n else np.concatenate([fill, ids[:b - n]])
+    if b <= n:
+        return np.full(b - a, image_token_id, np.int64)
+    out = np.empty(b - a, np.int64)
+    out[:n - a] = image_token_id
+    out[n - a:] = ids[:b - n]
+    return out
 
 
 def image_key(key: SampleKey, i: int, n: int) -> str:
@@ -189,10 +194,10 @@ class _Image:
 class _Segment:
     """What one microbatch places of one planned item (a plain slotted class: a build makes one per sample)."""
 
-    __slots__ = ("item", "key", "ids", "padded", "span", "overrides", "images")
+    __slots__ = ("key", "ids", "padded", "span", "overrides", "images")
 
-    def __init__(self, item: PlanItem, key: SampleKey, ids: np.ndarray):
-        self.item, self.key = item, key
+    def __init__(self, key: SampleKey, ids: np.ndarray):
+        self.key = key
         self.ids = ids              # the real tokens (a span shard: the real ones it holds)
         self.padded = None          # a span shard's length in the row, its padding included
         self.span = None            # for a shard of a sequence spanning CP ranks
@@ -201,6 +206,7 @@ class _Segment:
 
 
 _NO_OVERRIDES: Mapping = {}
+_new_key = tuple.__new__       # SampleKey(source, index) without NamedTuple's keyword-handling __new__
 _NO_IMAGES: tuple = ()
 
 
@@ -242,8 +248,7 @@ class DataConstructor:
                               f"packed rows over {cp} CP ranks; choose seq_len={-(-self.seq_len // (2 * cp)) * 2 * cp}")
         encoder = plan.modules.get("encoder")
         enc_rank = self._encoder_ranks(encoder) if encoder is not None else None
-        segs = [[self._segment(plan, bucket, m, it, samples) for it in items]
-                for m, items in enumerate(plan.bucket_microbatches(bucket))]
+        segs = self._segments(plan, bucket, samples)
         layouts = [self._layout(plan, bucket, m, ss, cp) for m, ss in enumerate(segs)]
         rows = [self._row(plan, ss, lay, enc_rank) for ss, lay in zip(segs, layouts)]
         splits = self._fill(rows, segs, layouts, cp)      # microbatch -> every CP rank's shard, shared by PP stages
@@ -296,18 +301,45 @@ class DataConstructor:
                               f"not match the metadata the plan was made from{hint}")
         return a, b
 
+    def _segments(self, plan: Plan, bucket: int, samples) -> list[list[_Segment]]:
+        """Every microbatch's :class:`_Segment` of ``bucket``, from the plan's columns: a whole text sample
+        (most of them) takes :meth:`_segment`'s first return inline, without a :class:`PlanItem` or a call
+        (per-sample Python was a third of a build's cost)."""
+        bounds, cols = plan.bucket_columns(bucket)
+        out: list[list[_Segment]] = []
+        entries = zip(*cols)
+        tensor, int64, new_key = torch.Tensor, torch.int64, _new_key
+        for m in range(len(bounds) - 1):
+            segs: list[_Segment] = []
+            for entry in islice(entries, bounds[m + 1] - bounds[m]):
+                source, index, tokens, piece, npieces, shard, nshards = entry
+                key = new_key(SampleKey, (source, index))
+                try:
+                    record = samples[key]
+                except KeyError:
+                    record = self._sample(samples, key, plan.step, bucket, m)    # (raises, naming the sample)
+                ids = record["input_ids"]
+                if npieces == nshards == 1 and type(ids) is tensor and ids.dtype is int64 and ids.dim() == 1:
+                    ids = ids.numpy()
+                    if len(ids) == tokens and record.get("pixels") is None:
+                        segs.append(_Segment(key, ids))
+                        continue
+                segs.append(self._segment(plan, bucket, m, PlanItem(*entry), samples))
+            out.append(segs)
+        return out
+
     def _segment(self, plan: Plan, bucket: int, m: int, item: PlanItem, samples) -> _Segment:
         """What microbatch ``m`` places of ``item``'s staged record: its tokens, images and CP span."""
         key = item.key
         record = self._sample(samples, key, plan.step, bucket, m)
         ids = _text_ids(record)
         if item.tokens == len(ids) and item.npieces == item.nshards == 1 and record.get("pixels") is None:
-            return _Segment(item, key, ids)     # a whole text sample (most of them): its ids as they are
+            return _Segment(key, ids)     # a whole text sample (most of them): its ids as they are
         imgs = record_images(record)
         n = _placeholders(imgs, self.image_token_id)
         a, b = self._bounds(plan, item, n + len(ids))
         piece = _backbone(ids, self.image_token_id, n, a, b)
-        seg = _Segment(item, key, piece)
+        seg = _Segment(key, piece)
         seg.images = []
         if not imgs and item.nshards == 1:      # plain text
             return seg
@@ -404,16 +436,17 @@ class DataConstructor:
         pass (per-row numpy calls, not per-token work, dominated a row's cost). With cp == 1 it fills
         each row's per-token fields (views of the build's arrays) and returns ``[]``; with cp > 1 it
         returns every row's CP shards, laid out shard after shard, from :meth:`_shards`."""
-        real, padded, segment, row_of = [], [], [], []
+        real, padded, segment, row_of, starts = [], [], [], [], []
         for m, (ss, (r, p)) in enumerate(zip(segs, layouts)):
             real += r
             padded += p
             segment += [*range(len(ss)), *[-1] * (len(p) - len(ss))]
             row_of += [m] * len(p)
+            starts += accumulate(p[:-1], initial=0)         # each entry's start in its row
         sizes = np.asarray(padded, np.int64)
         if cp > 1:
             chunks = _zigzag_chunks(sizes, np.asarray(row_of, np.int64), cp, np.arange(cp))
-            offset = np.concatenate([row["cu_seqlens_padded"].numpy()[:-1] for row in rows]).astype(np.int64)
+            offset = np.asarray(starts, np.int64)
         else:
             chunks, offset = (np.arange(len(padded)), np.zeros(len(padded), np.int64), sizes), None
         arrays = _pack_chunks([s.ids for ss in segs for s in ss], np.asarray(real, np.int64),

@@ -118,7 +118,8 @@ class ConstructorActor(RoleActor):
             w = self._work(gen, step)
             if w is None or loader in w.samples_from:      # a promoted loader re-sending a part that arrived
                 return
-            w.samples.update({SampleKey(source, int(i)): r for i, r in records.items()})
+            key = tuple.__new__          # SampleKey(source, i) without NamedTuple's keyword-handling __new__
+            w.samples.update({key(SampleKey, (source, int(i))): r for i, r in records.items()})
             w.samples_from.add(loader)
 
     def commit(self, gen: int, step: int, plan: Plan, buckets: list[int], state: dict, info: dict) -> dict:
