@@ -207,3 +207,23 @@ def test_padded_lengths_place_each_sequence():
     assert out["input_ids"].tolist() == [1, 2, 0, 3] and out["cu_seqlens_padded"].tolist() == [0, 3, 4]
     assert out["cu_seqlens"].tolist() == [0, 2, 3] and out["labels"].tolist() == [2, -100, -100, -100]
     assert [t.tolist() for t in unpack(out)] == [[1, 2], [3]]
+
+
+def test_a_pack_is_not_changed_by_later_packs_on_this_or_another_thread():
+    """pack reuses per-thread scratch arrays for its intermediates (tokens and next-token labels): its outputs
+    must never be views of them, or the next call (a larger one that grows the scratch, or a smaller one that
+    does not) would overwrite a row already handed out."""
+    import threading
+
+    first = pack([torch.arange(1, 6), torch.arange(10, 13)], None, pad_id=0, sequence_multiple=4)
+    kept = {k: v.clone() for k, v in first.items()}
+    pack([torch.arange(100, 130)], 64, pad_id=7)                  # larger: grows the scratch
+    pack([torch.arange(50, 52)], None, pad_id=9)                    # smaller: reuses it
+    t = threading.Thread(target=pack, args=([torch.arange(200, 240)], None))
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    for k, v in kept.items():
+        assert torch.equal(first[k], v), k
+    assert first["input_ids"].tolist() == [1, 2, 3, 4, 5, 0, 0, 0, 10, 11, 12, 0]
+    assert first["labels"].tolist() == [2, 3, 4, 5, -100, -100, -100, -100, 11, 12, -100, -100]

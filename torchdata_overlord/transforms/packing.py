@@ -21,6 +21,7 @@ Conventions (TransformerEngine THD; all per-token fields have length L):
 
 from __future__ import annotations
 
+import threading
 from itertools import accumulate
 
 import numpy as np
@@ -157,8 +158,10 @@ def _pack_chunks(seqs: list[np.ndarray], real: np.ndarray, segment: np.ndarray, 
     ends = np.cumsum(real)
     src = ends - real
     block = int(lens[kind == 2].max(initial=0))
-    tokens = np.concatenate([*seqs, np.full(block, pad_id, np.int64)])
-    labels = np.empty_like(tokens)
+    total = int(ends[-1]) if len(ends) else 0
+    tokens, labels = _scratch(total + block)
+    np.concatenate(seqs, out=tokens[:total]) if seqs else None
+    tokens[total:] = pad_id
     labels[:-1] = tokens[1:]
     labels[ends[real > 0] - 1] = ignore_index
     labels[len(tokens) - block:] = ignore_index
@@ -171,6 +174,17 @@ def _pack_chunks(seqs: list[np.ndarray], real: np.ndarray, segment: np.ndarray, 
 
 
 _STEPS = np.arange(0, dtype=np.int64)
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two int64 arrays of ``n`` for :func:`_pack_chunks`' tokens and their next-token labels, kept per thread and
+    reused (only read by its gathers, never returned): fresh ones of a build's size cost page faults every call."""
+    held = getattr(_SCRATCH, "arrays", None)
+    if held is None or len(held[0]) < n:
+        size = max(n, 2 * len(held[0])) if held is not None else n
+        held = _SCRATCH.arrays = (np.empty(size, np.int64), np.empty(size, np.int64))
+    return held[0][:n], held[1][:n]
 
 
 def _counting(n: int) -> np.ndarray:
