@@ -104,16 +104,22 @@ def _text_ids(record: Mapping[str, Any]) -> np.ndarray:
     return torch.as_tensor(ids).reshape(-1).numpy().astype(np.int64, copy=False)
 
 
-def _int64(values: list | int) -> torch.Tensor:
+def _int64(values: list | int, pairs: bool = False) -> torch.Tensor:
     """``torch.tensor(values, dtype=torch.int64)`` (a list or a scalar), through numpy (about a third of the
-    cost for a short list, and torch.tensor lets other threads take the GIL)."""
-    return torch.from_numpy(np.array(values, np.int64))
+    cost for a short list, and torch.tensor lets other threads take the GIL); ``pairs``: shaped (n, 2)."""
+    out = np.array(values, np.int64)
+    return torch.from_numpy(out.reshape(-1, 2) if pairs else out)
 
 
 def sequence_length(record: Mapping[str, Any], image_token_id: int | None) -> int:
     """Backbone tokens of a record: its text tokens, plus its patches when it has pixels and
     ``image_token_id`` is not None (the token count a Source Loader reports to the Planner)."""
-    n = len(_text_ids(record))
+    return _sequence_length(record, image_token_id, _text_ids(record))
+
+
+def _sequence_length(record: Mapping[str, Any], image_token_id: int | None, ids: np.ndarray) -> int:
+    """:func:`sequence_length` given the record's :func:`_text_ids` (a caller that has them already)."""
+    n = len(ids)
     if image_token_id is not None:
         n += sum(p for _, _, p in record_images(record))
     return n
@@ -415,13 +421,13 @@ class DataConstructor:
         images = [(j, im) for j, s in enumerate(segs) for im in s.images]
         if images:
             row["image_keys"] = [im.key for _, im in images]
-            row["image_grid"] = _int64([im.grid for _, im in images]).reshape(-1, 2)
+            row["image_grid"] = _int64([im.grid for _, im in images], pairs=True)
             row["image_segments"] = _int64([j for j, _ in images])
             if self.image_token_id is not None:
                 # start in the packed row (before any CP split); for a CP span, in its sequence's coordinates
                 row["image_positions"] = _int64(
-                    [(im.start if segs[j].span is not None else cu[j] + im.start, im.length) for j, im in images]
-                ).reshape(-1, 2)
+                    [(im.start if segs[j].span is not None else cu[j] + im.start, im.length) for j, im in images],
+                    pairs=True)
                 row["image_patch_offsets"] = _int64([im.patch_offset for _, im in images])
             if enc_rank is None:
                 row["pixels"] = [im.pixels for _, im in images]

@@ -26,7 +26,7 @@ from torchdata.nodes import BaseNode
 from ..errors import ConfigError
 from ..plane.records import BufferMeta
 from ..sources.base import SKIPPED, SourceReadError, positions
-from .constructor import _text_ids, sequence_length
+from .constructor import _sequence_length, _text_ids, sequence_length
 from .meta_slots import MetaSlots
 from .transform_pool import TransformPool
 
@@ -313,13 +313,14 @@ class SourceLoader(BaseNode[tuple]):
                 if tid is not None and (ids.numpy() == tid).any():
                     raise _StrayPlaceholder(ids.numpy(), tid)
                 return len(ids), 0, 0, 0.0
+        ids = None
         if tid is not None and isinstance(record, dict) and "input_ids" in record:
             ids = _text_ids(record)
             if (ids == tid).any():
                 raise _StrayPlaceholder(ids, tid)
         patches = list(record.get("image_patches", ())) if isinstance(record, dict) else []
-        return (sequence_length(record, self.image_token_id), len(patches), sum(patches),
-                float(sum(x * x for x in patches)))
+        tokens = sequence_length(record, tid) if ids is None else _sequence_length(record, tid, ids)
+        return tokens, len(patches), sum(patches), float(sum(x * x for x in patches))
 
     def metadata(self) -> BufferMeta:
         """What the Planner sees: keys, token counts (with image placeholders), image patch counts."""
