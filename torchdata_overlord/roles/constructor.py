@@ -327,12 +327,33 @@ class DataConstructor:
                 ids = record["input_ids"]
                 if npieces == nshards == 1 and type(ids) is tensor and ids.dtype is int64 and ids.dim() == 1:
                     ids = ids.numpy()
-                    if len(ids) == tokens and record.get("pixels") is None:
-                        segs.append(_Segment(key, ids))
-                        continue
+                    if record.get("pixels") is None:
+                        if len(ids) == tokens:
+                            segs.append(_Segment(key, ids))
+                            continue
+                    elif self.image_token_id is not None:
+                        seg = self._whole_image_sample(key, record, ids, tokens)
+                        if seg is not None:
+                            segs.append(seg)
+                            continue
                 segs.append(self._segment(plan, bucket, m, PlanItem(*entry), samples))
             out.append(segs)
         return out
+
+    def _whole_image_sample(self, key: SampleKey, record: Mapping[str, Any], ids: np.ndarray,
+                            tokens: int) -> _Segment | None:
+        """:meth:`_segment` of a whole (one piece, no CP span) sample with one image and its placeholders, as
+        ImageText gives it: placeholders then text ids, the image's run first. None for anything else (the
+        plan truncates it, no patch), which :meth:`_segment` handles."""
+        imgs = record_images(record)
+        if len(imgs) != 1:
+            return None
+        px, grid, p = imgs[0]
+        if p <= 0 or tokens != p + len(ids):
+            return None
+        seg = _Segment(key, _backbone(ids, self.image_token_id, p, 0, tokens))
+        seg.images = [_Image(str(key), px, grid, 0, p, 0)]
+        return seg
 
     def _segment(self, plan: Plan, bucket: int, m: int, item: PlanItem, samples) -> _Segment:
         """What microbatch ``m`` places of ``item``'s staged record: its tokens, images and CP span."""
@@ -479,7 +500,7 @@ class DataConstructor:
         hit = labels == self.image_token_id
         if hit.any():
             labels[hit] = self.ignore_index
-            arrays["loss_mask"][hit] = False
+            np.greater(arrays["loss_mask"], hit, out=arrays["loss_mask"])   # mask & ~hit (a boolean-index write: 20x)
 
     @staticmethod
     def _shards(row: dict, arrays: dict, at: int, n: int, scalars: list) -> list[dict]:
