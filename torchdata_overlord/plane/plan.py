@@ -71,6 +71,7 @@ class Plan:
         # where each (bucket, microbatch) starts in the sorted entries
         flat = self.entries["bucket"] * self.n_microbatches + self.entries["mb"]
         self._starts = np.searchsorted(flat, np.arange(len(self.buckets) * self.n_microbatches + 1))
+        self._deliveries: dict[int, str] = {}      # rank -> delivery, as asked (a step asks each rank's several times)
 
     # -- per client ----------------------------------------------------------------------------
     def bucket_of(self, rank: int) -> int:
@@ -78,6 +79,12 @@ class Plan:
 
     def delivery(self, rank: int) -> str:
         """``"data"``, ``"metadata"`` (pipeline stages > 0) or ``"none"`` (broadcast receivers)."""
+        got = self._deliveries.get(rank)
+        if got is None:
+            got = self._deliveries[rank] = self._delivery(rank)
+        return got
+
+    def _delivery(self, rank: int) -> str:
         c = self.mesh.coords(rank)
         if any(c.get(d, 0) > 0 for d in self.broadcast):
             return "none"
