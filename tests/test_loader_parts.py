@@ -182,3 +182,33 @@ def test_stats_of_a_source_split_over_loader_actors_are_the_sources_own(files, t
     assert s["skipped"] == sum(p["skipped"] for p in parts) - 2 > 1          # rows the transform failed on, too
     assert s["skipped_distinct"] == sum(p["skipped_distinct"] for p in parts) - 2
     assert s["served"] == sum(p["served"] for p in parts) and s["buffered"] == sum(p["buffered"] for p in parts)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_reused_metadata_report_equals_a_fresh_one(files, seed):
+    """metadata() hands an unchanged buffer's last report back (read-only) instead of gathering it again: at any
+    point of a random run of takes, refills and resets, of an endless source and of one that runs out (whose
+    buffer then shrinks), it equals the report gathered afresh."""
+    rng = np.random.default_rng(seed)
+    loader = SourceLoader(ParquetSource("s", files, _transform, seed=3, on_error="skip", epochs=seed % 2 or None), 12)
+    start, ran_out = loader.get_state(), 0
+    fields = ("index", "tokens", "num_images", "patches", "patches_sq", "order")
+    for _ in range(300):
+        got = loader.metadata()
+        loader._reported = None                        # the report as gathered without reuse
+        fresh = loader.metadata()
+        for f in fields:
+            a, b = getattr(got, f), getattr(fresh, f)
+            assert (a is None and b is None) or np.array_equal(a, b), f
+        assert not got.index.flags.writeable and not got.tokens.flags.writeable
+        assert loader.metadata() is fresh              # unchanged: the same report
+        ran_out += loader.exhausted
+        act = rng.integers(8)
+        if act < 5 and len(fresh):                     # take some, oldest or not
+            k = int(rng.integers(1, len(fresh) + 1))
+            loader.take([int(i) for i in rng.choice(fresh.index, k, replace=False)])
+        elif act == 5 and rng.random() < 0.2:
+            loader.reset(copy.deepcopy(start if rng.random() < 0.5 else loader.get_state()))
+        elif act == 6:
+            loader.fill()
+    assert ran_out if seed % 2 else not ran_out       # the finite source ran out (its buffer then shrank)

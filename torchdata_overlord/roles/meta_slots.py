@@ -18,6 +18,7 @@ class MetaSlots:
     WIDTH = 4     # (tokens, images, patches, sum of squared patches)
 
     def __init__(self, capacity: int):
+        self.version = 0        # moves at every put, free and clear: a report of an unchanged buffer is reused
         self.rows = np.zeros((0, self.WIDTH))
         self.order = np.zeros(0, np.int64)
         self._free: list[int] = []
@@ -32,6 +33,7 @@ class MetaSlots:
     def put(self, rows: list[tuple], orders: list[int]) -> list[int]:
         """Store samples' metadata rows and read-order keys (one numpy write for them all); returns their slots."""
         k = len(rows)
+        self.version += k > 0
         if len(self._free) < k:
             self._grow(max(k, len(self.order)))
         slots = self._free[:-k - 1:-1] if k else []
@@ -42,11 +44,13 @@ class MetaSlots:
         return slots
 
     def free(self, slot: int) -> None:
+        self.version += 1
         self._free.append(slot)
 
     def clear(self) -> None:
         """Every slot free (the buffer was emptied)."""
         n = len(self.order)
+        self.version += 1
         self._free = list(range(n - 1, -1, -1))
 
     def gather(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

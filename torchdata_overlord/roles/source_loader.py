@@ -159,6 +159,7 @@ class SourceLoader(BaseNode[tuple]):
         # self._meta, read-order key or -1), oldest first
         self._buffer: OrderedDict[int, tuple[Any, Any, int, int, int]] = OrderedDict()
         self._meta = MetaSlots(buffer_size)
+        self._reported: tuple | None = None       # ((its buffer's version, ordered), the last metadata() report)
         self.ordered = hasattr(source, "last_order") and hasattr(source, "owns")
         # where the source stands, kept per buffered row: its position (a small tuple) where it has one
         # (a state made from it only for a checkpoint), else its state
@@ -323,14 +324,24 @@ class SourceLoader(BaseNode[tuple]):
         return tokens, len(patches), sum(patches), float(sum(x * x for x in patches))
 
     def metadata(self) -> BufferMeta:
-        """What the Planner sees: keys, token counts (with image placeholders), image patch counts."""
+        """What the Planner sees: keys, token counts (with image placeholders), image patch counts. A buffer
+        unchanged since the last report (no sample taken or read: most sources of a mixture of hundreds, at
+        most steps) gets that report again, read-only, instead of being gathered and checked anew."""
         self.fill()
+        key = (self._meta.version, self.ordered)
+        if self._reported is not None and self._reported[0] == key:
+            return self._reported[1]
         n = len(self._buffer)
         idx = np.fromiter(self._buffer.keys(), np.int64, n)
         rows, order = self._meta.gather(np.fromiter(map(_SLOT, self._buffer.values()), np.int64, n))
         order = order if self.ordered else None
-        return BufferMeta(self.name, idx, rows[:, 0].astype(np.int64), num_images=rows[:, 1].astype(np.int64),
+        meta = BufferMeta(self.name, idx, rows[:, 0].astype(np.int64), num_images=rows[:, 1].astype(np.int64),
                           patches=rows[:, 2].astype(np.int64), patches_sq=rows[:, 3], order=order)
+        for column in (meta.index, meta.tokens, meta.num_images, meta.patches, meta.patches_sq, meta.order):
+            if column is not None:
+                column.flags.writeable = False
+        self._reported = (key, meta)
+        return meta
 
     def take(self, indices: Iterable[int]) -> dict[int, Any]:
         """Hand over (and forget) exactly these buffered samples."""
