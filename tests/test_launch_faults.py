@@ -101,6 +101,27 @@ def worker_pids(stderr: str) -> tuple[list[int], list[int]]:
     return pids, [p for i, p in zip(idx, pids) if i in spares]
 
 
+def _same_as_local(config, module: str, steps: int, outs) -> list[dict]:
+    """The trainers' saved items (``outs``), checked step by step against the same config's job run in this
+    process by the local runtime (its fault-tolerance settings left out); returns them."""
+    spec = importlib.util.spec_from_file_location(module, config)
+    ljob = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ljob)
+    kw = {k: v for k, v in ljob.job().items()
+          if k not in ("constructors", "checkpoint_dir", "snapshot_every", "shadows", "call_timeout")}
+    job = LocalJob(**kw)
+    try:
+        reference = [job.step().outputs for _ in range(steps)]
+    finally:
+        job.close()
+    got = [torch.load(out, weights_only=False) for out in outs]
+    for r, g in enumerate(got):
+        assert [it["step"] for it in g["items"]] == list(range(steps))
+        for k, item in enumerate(g["items"]):
+            assert_identical(item["microbatches"], reference[k][r]["microbatches"])
+    return got
+
+
 @pytest.mark.slow
 def test_a_launched_job_recovers_a_killed_loader_and_planner_on_its_nodes_spares(corpus, tmp_path):
     port, steps, kills = free_port(), 14, {"3": "loader:caps", "7": "planner"}
@@ -145,20 +166,7 @@ def test_a_launched_job_recovers_a_killed_loader_and_planner_on_its_nodes_spares
         (tmp_path / f"stderr-{i}.txt").write_text(f"exit code {rc}\n{err}")
     assert all(rc == 0 for rc, _ in results), [err[-3000:] for _, err in results]   # the job went on, and ended well
 
-    spec = importlib.util.spec_from_file_location("ljob_faults", config)     # the same config, in this process
-    ljob = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ljob)
-    kw = {k: v for k, v in ljob.job().items() if k not in ("constructors", "checkpoint_dir", "snapshot_every", "shadows")}
-    job = LocalJob(**kw)
-    try:
-        reference = [job.step().outputs for _ in range(steps)]
-    finally:
-        job.close()
-    got = [torch.load(out, weights_only=False) for out in (out0, out1)]
-    for r, g in enumerate(got):
-        assert [it["step"] for it in g["items"]] == list(range(steps))
-        for k, item in enumerate(g["items"]):
-            assert_identical(item["microbatches"], reference[k][r]["microbatches"])
+    got = _same_as_local(config, "ljob_faults", steps, (out0, out1))
 
     pids, spares = [], []
     for _, err in results[2:]:
@@ -243,21 +251,7 @@ def test_a_launched_job_replaces_a_frozen_role_within_its_config_call_timeout(co
         (tmp_path / f"stderr-{i}.txt").write_text(f"exit code {rc}\n{err}")
     assert all(rc == 0 for rc, _ in results), [err[-3000:] for _, err in results]
 
-    spec = importlib.util.spec_from_file_location("ljob_freeze", config)     # the same config, in this process
-    ljob = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ljob)
-    kw = {k: v for k, v in ljob.job().items()
-          if k not in ("constructors", "checkpoint_dir", "snapshot_every", "shadows", "call_timeout")}
-    job = LocalJob(**kw)
-    try:
-        reference = [job.step().outputs for _ in range(steps)]
-    finally:
-        job.close()
-    got = [torch.load(out, weights_only=False) for out in (out0, out1)]
-    for r, g in enumerate(got):
-        assert [it["step"] for it in g["items"]] == list(range(steps))
-        for k, item in enumerate(g["items"]):
-            assert_identical(item["microbatches"], reference[k][r]["microbatches"])
+    got = _same_as_local(config, "ljob_freeze", steps, (out0, out1))
     assert got[0]["call_timeout"] == 4.0
     # (on a loaded machine a 4 s call timeout may also replace a role that was only slow: the stream is the same)
     recovered = [r for r in got[0]["recoveries"] if (r["kind"], r["role"]) == (role.split(":")[0], role)]

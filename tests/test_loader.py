@@ -395,6 +395,15 @@ def _warm_up(corpus) -> None:
         next(iter(loader))
 
 
+def _stuck_loader(corpus, release: threading.Event) -> ol.OverlordLoader:
+    """A local loader (timeout=2) whose ``web`` transform blocks on its 40th row until ``release`` is set."""
+    sources = make_sources(corpus)
+    sources[0] = ParquetSource("web", corpus.sources["web"],
+                               StuckAfter(Tokenize(corpus.spm_model, field=corpus.text_fields["web"]), 40, release))
+    return ol.OverlordLoader(sources, strategy_for("dp"), ol.ClientPlaceTree(dp=2), rank=None, global_batch=16,
+                             seq_len=None, image_token_id=corpus.image_token_id, workers={"web": 2}, timeout=2)
+
+
 @pytest.mark.slow
 def test_a_transform_stuck_in_user_code_times_out_next_and_close_is_bounded(corpus, caplog):
     """next() raises after ``timeout``; close() then returns within its bound (a role stuck in a call is
@@ -403,11 +412,7 @@ def test_a_transform_stuck_in_user_code_times_out_next_and_close_is_bounded(corp
     _warm_up(corpus)
     before = set(threading.enumerate())
     release = threading.Event()
-    sources = make_sources(corpus)
-    sources[0] = ParquetSource("web", corpus.sources["web"],
-                               StuckAfter(Tokenize(corpus.spm_model, field=corpus.text_fields["web"]), 40, release))
-    loader = ol.OverlordLoader(sources, strategy_for("dp"), ol.ClientPlaceTree(dp=2), rank=None, global_batch=16,
-                               seq_len=None, image_token_id=corpus.image_token_id, workers={"web": 2}, timeout=2)
+    loader = _stuck_loader(corpus, release)
     try:
         with pytest.raises(TimeoutError, match="no step produced within 2 s"):
             for _ in loader:
@@ -455,11 +460,7 @@ def test_the_local_roles_wait_for_a_stuck_transform_only_the_loaders_timeout(cor
     _warm_up(corpus)
     before = set(threading.enumerate())
     release = threading.Event()
-    sources = make_sources(corpus)
-    sources[0] = ParquetSource("web", corpus.sources["web"],
-                               StuckAfter(Tokenize(corpus.spm_model, field=corpus.text_fields["web"]), 40, release))
-    loader = ol.OverlordLoader(sources, strategy_for("dp"), ol.ClientPlaceTree(dp=2), rank=None, global_batch=16,
-                               seq_len=None, image_token_id=corpus.image_token_id, workers={"web": 2}, timeout=2)
+    loader = _stuck_loader(corpus, release)
     try:
         with pytest.raises(TimeoutError, match="no step produced within 2 s"):
             for _ in loader:
