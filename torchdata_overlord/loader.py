@@ -427,6 +427,11 @@ class OverlordLoader:
         except Exception:                    # noqa: BLE001 - advice only
             lost = {}
         if not lost:
+            stuck = getattr(self._job, "stuck_loaders", lambda _: {})(self.timeout / 2)
+            if stuck:
+                roles = ", ".join(f"{a} in {m}() for {t:.0f} s" for a, (m, t) in sorted(stuck.items()))
+                return (f"waiting for {roles}: its source's read or transform is slow or does not return (user code, "
+                        f"which no timeout stops); raise OverlordLoader(timeout=...) for very slow sources")
             return "raise OverlordLoader(timeout=...) for very slow sources"
         roles = "; ".join(f"{a}: {type(e).__name__}: {str(e).splitlines()[0][:160]}" for a, e in lost.items())
         return (f"the process of {sorted(lost)} answers no ping ({roles}): it is frozen (SIGSTOP, a debugger, "

@@ -172,6 +172,13 @@ class InProcessTransport(Transport):
             f"{name}.{method}() got no answer within its timeout of {timeout:g} s", name))
         return fut
 
+    def busy(self) -> dict[str, tuple[str, float]]:
+        """Actor -> (the method it runs, seconds it has run it), for every actor in a call now."""
+        now = time.monotonic()
+        with self._lock:
+            actors = list(self._actors.values())
+        return {a.name: (b[0], now - b[1]) for a in actors if (b := a.busy) is not None}
+
     def is_alive(self, name: str) -> bool:
         actor = self._actors.get(name)
         return actor is not None and not self._closed and actor.thread.is_alive() and name not in self._killed

@@ -95,6 +95,11 @@ class LocalJob(Job):
                             f"longer than the timeout: raise OverlordLoader(timeout=...) for very slow sources)"
                             ) from err
 
+    def stuck_loaders(self, longer_than: float) -> dict[str, tuple[str, float]]:
+        """The Source Loaders in one call for over ``longer_than`` seconds: loader actor -> (method, seconds); what a
+        timed-out ``next()`` names (a loader waits on nothing but its source and transform)."""
+        return {a: b for a, b in self.transport.busy().items() if a.startswith("loader:") and b[1] > longer_than}
+
     def actor(self, name: str):
         """The object behind actor ``name`` (``"planner"``, ``"loader:<source>"``, ``"constructor:0"``):
         for instrumenting and debugging in this process only."""

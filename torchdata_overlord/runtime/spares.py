@@ -65,6 +65,10 @@ class Spares:
                 continue
             self.where[name] = w
             return w
+        if not self.workers:
+            raise RoleLost(f"the job has no spare process to restart {name!r} on (runtime='rpc' with spares=N and "
+                           f"fault_tolerance= replaces failed roles; in one process, runtime='local', a role that does "
+                           f"not answer is stuck in user code: a source's read or transform)")
         raise RoleLost(f"no live spare process can host {name!r} (spares {self.workers}, dead "
                        f"{sorted(self.dead)}, not beside {sorted(a for a in avoid if a)}); start the job with "
                        f"more spares")
