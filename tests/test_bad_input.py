@@ -392,7 +392,9 @@ def test_user_balancer_overflowing_max_tokens_is_caught(zigzag):
     (lambda p: BinAssignment(np.zeros(len(p.costs), np.int64), p.n_bins + 1),
      r"balancer 'bad_test' opened bins although growth was not allowed"),
     (lambda p: None, r"balancer 'bad_test' returned None; a balancer returns a BinAssignment, or one integer bin"),
-    (lambda p: np.arange(len(p.costs)) % p.n_bins + 0.5, r"balancer 'bad_test' returned bins of dtype float64"),
+    (lambda p: np.arange(len(p.costs)) % p.n_bins + 0.5,
+     r"balancer 'bad_test' returned bins of dtype float64 that are not whole numbers \(e.g. 0.5\)"),
+    (lambda p: np.full(len(p.costs), np.nan), r"balancer 'bad_test' returned bins of dtype float64 that are not whole"),
     (lambda p: ["x"] * len(p.costs), r"balancer 'bad_test' returned bins of dtype <U1"),
     (lambda p: BinAssignment(np.zeros(len(p.costs), np.int64), p.n_bins - 1),
      r"balancer 'bad_test' returned 1 bins where the problem has 2; every bin must stay"),
@@ -402,6 +404,16 @@ def test_user_balancer_returning_garbage_is_caught(register_temp, result, patter
     g = graph(ol.ClientPlaceTree(dp=2), {"a": [100] * 8}).distribute("DP")
     with pytest.raises(ol.ConfigError, match=pattern):
         g.balance("bad_test", level="bucket")
+
+
+def test_user_balancer_returning_whole_floats_is_accepted(register_temp):
+    """Bins as whole floats (1.0) are bins, as they were before non-whole ones were refused."""
+    register_temp("float_test", lambda p: (np.arange(len(p.costs)) % p.n_bins).astype(np.float64))
+    register_temp("int_test", lambda p: np.arange(len(p.costs)) % p.n_bins)
+    g = graph(ol.ClientPlaceTree(dp=2), {"a": [100, 200, 300, 400, 500, 600, 700, 800]}).distribute("DP")
+    a, b = (g.balance(m, level="bucket").plan() for m in ("float_test", "int_test"))
+    assert [[it.key for mb in a.bucket_microbatches(k) for it in mb] for k in range(2)] == \
+        [[it.key for mb in b.bucket_microbatches(k) for it in mb] for k in range(2)]
 
 
 def test_user_balancer_ignoring_equal_counts_is_caught(register_temp):

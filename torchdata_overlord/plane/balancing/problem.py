@@ -95,10 +95,14 @@ def run_balancer(name: str, problem: BinProblem) -> BinAssignment:
         out = BinAssignment(out, problem.n_bins)
     raw = np.asarray(out.bins) if out.bins is not None else None
     n = len(problem.costs)
-    if raw is None or (raw.size and not np.issubdtype(raw.dtype, np.integer)):
-        raise ConfigError(f"balancer {name!r} returned {'None' if raw is None else f'bins of dtype {raw.dtype}'}; a "
-                          f"balancer returns a BinAssignment, or one integer bin per item ({n} items, bins "
-                          f"0..{problem.n_bins - 1})")
+    whole = raw is not None and (not raw.size or np.issubdtype(raw.dtype, np.integer) or (
+        np.issubdtype(raw.dtype, np.floating) and bool(np.all(np.isfinite(raw) & (raw == np.round(raw))))))
+    if not whole:                           # (whole floats, e.g. 1.0, are bins; 0.5 was truncated to 0, silently)
+        got = "None" if raw is None else f"bins of dtype {raw.dtype}" + (
+            f" that are not whole numbers (e.g. {float(raw.flat[np.flatnonzero(raw != np.round(raw))[0]])!r})"
+            if np.issubdtype(raw.dtype, np.floating) else "")
+        raise ConfigError(f"balancer {name!r} returned {got}; a balancer returns a BinAssignment, or one integer "
+                          f"bin per item ({n} items, bins 0..{problem.n_bins - 1})")
     if raw.shape != (n,):
         raise ConfigError(f"balancer {name!r} returned {raw.shape} bins for {n} items")
     bins = raw.astype(np.int64)
