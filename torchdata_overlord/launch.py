@@ -7,8 +7,8 @@ The config is a Python file whose ``job()`` returns the loader's keyword argumen
 ``ignore_index``, ``constructors`` (Data Constructors, default one per DP group), ``clients``
 (trainer processes that will connect, default every rank of the mesh) and the fault-tolerance
 settings ``checkpoint_dir``, ``snapshot_every``, ``shadows`` and ``call_timeout`` (seconds a role's call
-may take before the role counts as failed, as ``FaultTolerance(call_timeout=...)``; default
-``--rpc-timeout``, else 30 s with fault tolerance, FaultTolerance's, else 60 s). Trainers connect with
+may take before the role counts as failed, as ``FaultTolerance(call_timeout=...)``; ``--rpc-timeout``
+overrides it; without either, 30 s with fault tolerance, FaultTolerance's, else 60 s). Trainers connect with
 ``OverlordLoader(..., runtime="rpc", address="MASTER_ADDR:MASTER_PORT", rank=r)`` and call the roles with
 the job's call timeout, whatever their own ``timeout=`` (which bounds ``next()``).
 
