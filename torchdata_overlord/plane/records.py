@@ -8,6 +8,7 @@ Sample bytes never appear here: only keys, sizes and free-form numeric extras.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -25,6 +26,11 @@ class SampleKey(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.source}:{self.index}"
+
+
+make_key = partial(tuple.__new__, SampleKey)
+"""``make_key((source, index))``: a :class:`SampleKey` without NamedTuple's keyword-handling ``__new__`` (for the
+paths that key every sample of a step)."""
 
 
 def _int_column(name: str, values, n: int | None = None) -> np.ndarray:

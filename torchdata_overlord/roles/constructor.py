@@ -45,7 +45,7 @@ import torch
 
 from ..errors import ConfigError, OverlordError, OversizeSampleError
 from ..plane.plan import Plan, PlanItem, row_cp
-from ..plane.records import SampleKey
+from ..plane.records import SampleKey, make_key
 from ..transforms.cp_split import _zigzag_chunks, zigzag_indices
 from ..transforms.packing import PER_TOKEN_FIELDS, _cumulative, _entries, _pack_chunks, _row_length
 
@@ -212,7 +212,6 @@ class _Segment:
 
 
 _NO_OVERRIDES: Mapping = {}
-_new_key = tuple.__new__       # SampleKey(source, index) without NamedTuple's keyword-handling __new__
 _NO_IMAGES: tuple = ()
 
 
@@ -314,12 +313,12 @@ class DataConstructor:
         bounds, cols = plan.bucket_columns(bucket)
         out: list[list[_Segment]] = []
         entries = zip(*cols)
-        tensor, int64, new_key = torch.Tensor, torch.int64, _new_key
+        tensor, int64 = torch.Tensor, torch.int64
         for m in range(len(bounds) - 1):
             segs: list[_Segment] = []
             for entry in islice(entries, bounds[m + 1] - bounds[m]):
                 source, index, tokens, piece, npieces, shard, nshards = entry
-                key = new_key(SampleKey, (source, index))
+                key = make_key((source, index))
                 try:
                     record = samples[key]
                 except KeyError:

@@ -23,7 +23,7 @@ from typing import Mapping
 
 from ..errors import ConfigError
 from ..plane.plan import Plan
-from ..plane.records import SampleKey
+from ..plane.records import make_key
 from ..roles.constructor import DataConstructor, receives_nothing
 from .refs import PLANNER, ConstructorRef, PlannerRef
 from .role import RoleActor, fail_all
@@ -118,8 +118,7 @@ class ConstructorActor(RoleActor):
             w = self._work(gen, step)
             if w is None or loader in w.samples_from:      # a promoted loader re-sending a part that arrived
                 return
-            key = tuple.__new__          # SampleKey(source, i) without NamedTuple's keyword-handling __new__
-            w.samples.update({key(SampleKey, (source, int(i))): r for i, r in records.items()})
+            w.samples.update({make_key((source, int(i))): r for i, r in records.items()})
             w.samples_from.add(loader)
 
     def commit(self, gen: int, step: int, plan: Plan, buckets: list[int], state: dict, info: dict) -> dict:
