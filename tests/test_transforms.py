@@ -285,7 +285,8 @@ def test_a_decompression_bomb_is_refused_before_decoding(spm_model):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ol.ConfigError, match="max_pixels"):
             ImageText(spm_model, max_pixels=bad)
-    assert "max_pixels" not in repr(ImageText(spm_model)) and "max_pixels=3000" in repr(ImageText(spm_model, max_pixels=3000))
+    assert "max_pixels" not in repr(ImageText(spm_model))
+    assert "max_pixels=3000" in repr(ImageText(spm_model, max_pixels=3000))
 
 
 def test_image_text_missing_fields_and_config(spm_model):

@@ -3,7 +3,8 @@ process that started it is gone, it removes its listening socket, and the socket
 
 multiprocessing puts that socket in a ``pymp-*`` folder of the temporary folder, which the process that made
 the folder removes when it exits normally; a trainer that is killed (SIGKILL, the OOM killer, a preempted
-job) left both behind, and the rpc sessions' rendezvous stores the trainer keeps there (``overlord-rpc-*``). The server exits once the process that started it is gone, however it ended (its
+job) left both behind, and the rpc sessions' rendezvous stores the trainer keeps there (``overlord-rpc-*``).
+The server exits once the process that started it is gone, however it ended (its
 ``alive`` pipe reads end-of-file), and then cleans up after it. While that process lives (a normal exit: it
 removes its folder itself, after the server's socket) the server leaves everything as it is, and the
 folder stays while anything else is in it (a folder a process inherited from a parent is shared with

@@ -100,7 +100,8 @@ def _blank(fs: pafs.FileSystem, path: str) -> bool:
 class FileSource(ParquetSource):
     """One source's JSON Lines (``.jsonl``, ``.json``, ``.ndjson``), CSV (``.csv``) or Arrow IPC
     (``.arrow``, ``.feather``, ``.ipc``) files, each possibly ``.gz`` (a directory: its files with these
-    suffixes); ``format=`` overrides the suffix for every file. Every other argument and behaviour is :class:`~torchdata_overlord.ParquetSource`'s
+    suffixes); ``format=`` overrides the suffix for every file. Every other argument and behaviour is
+    :class:`~torchdata_overlord.ParquetSource`'s
     (a file plays the part of one row group), including the state and its file fingerprint. So under
     ``on_error="skip"`` one row that does not parse (a broken JSON line, a CSV cell that is not UTF-8, a
     CSV row with too many cells) skips its whole file, where a Parquet file loses the row group at most;

@@ -386,8 +386,8 @@ class ParquetSource:
 
     ``paths``: a glob, a file, a directory (its ``*.parquet`` files at any depth; the others are left out
     and logged), a ``pyarrow.fs`` URI (``"file:///d/*.parquet"``, ``"s3://b/k/*.parquet"``) or a list of
-    those; with ``filesystem=`` they are paths inside that filesystem. ``transform(row_dict)`` makes the record. ``columns`` (or ``transform.columns``)
-    is the projection. ``epochs=None`` cycles forever. ``on_error="skip"`` skips unreadable files,
+    those; with ``filesystem=`` they are paths inside that filesystem. ``transform(row_dict)`` makes the record.
+    ``columns`` (or ``transform.columns``) is the projection. ``epochs=None`` cycles forever. ``on_error="skip"`` skips unreadable files,
     files without a projected column and failing samples (the transform fails on the row, or a value of
     it cannot be read: a string that is not valid UTF-8) instead of raising: :attr:`skipped` lists
     them with exact counts, the log says the first at once and then sums them up at most every
@@ -433,8 +433,9 @@ class ParquetSource:
         self.skip_log_interval = self.skips.interval
         self.rows_passed = 0  # rows read or skipped so far (a whole-epoch run of skips means nothing is usable)
         self.metadata_reads = 0  # files opened for their metadata (footer, or a text file's parse) by __init__
-        self._meta = self._open_all(_resolve(name, paths, filesystem, self.SUFFIXES, type(self).__name__)) if file_table is None else \
-            self._from_table(file_table)                  # the usable files' metadata (a FileTable)
+        # the usable files' metadata (a FileTable)
+        self._meta = self._from_table(file_table) if file_table is not None else \
+            self._open_all(_resolve(name, paths, filesystem, self.SUFFIXES, type(self).__name__))
         self._files = _Files(self._meta)
         self.files = list(self._meta.shown)
         self._build_units()

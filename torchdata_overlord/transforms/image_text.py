@@ -154,7 +154,8 @@ class ImageText:
         self.tokenizer = Tokenize(model, field=text_field, add_bos=add_bos, add_eos=add_eos, max_tokens=max_tokens)
         self.model = self.tokenizer.model
         self.image_field, self.text_field = image_field, text_field
-        if max_pixels is not None and (isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1):
+        if max_pixels is not None and (isinstance(max_pixels, bool) or not isinstance(max_pixels, int)
+                                       or max_pixels < 1):
             raise ConfigError(f"ImageText: max_pixels must be a positive int or None (no limit), got {max_pixels!r}")
         self.patch, self.max_side, self.min_side = int(patch), int(max_side), min_side
         self.max_pixels = max_pixels
